@@ -1,0 +1,27 @@
+"""Rule-based verifiers → reward in {0, 1}. Never raise on hostile model output.
+
+- `exact_integer`: the synthetic task; the response (up to end-of-sequence) must be exactly the
+  integer, nothing else.
+- `math_answer`: `math-verify` on the response's last `\\boxed{}` against the reference answer,
+  with its own parse and verify time limits (signal based: call from the main thread).
+"""
+import re
+
+_INT = re.compile(r"^-?\d+$")
+
+
+def exact_integer(response: str, answer: str) -> float:
+    text = response.strip()
+    if len(text) > 64 or not _INT.match(text):   # int() of a huge digit string raises
+        return 0.0
+    return float(int(text) == int(answer))
+
+
+def math_answer(response: str, answer: str, timeout_s: int = 5) -> float:
+    from math_verify import parse, verify
+    try:
+        gold = parse(f"${answer}$" if "\\boxed" not in answer else answer, parsing_timeout=timeout_s)
+        pred = parse(response, parsing_timeout=timeout_s)
+        return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout_s))
+    except Exception:  # a verifier must not take the run down on a strange string
+        return 0.0

@@ -1,0 +1,172 @@
+"""DeepSpeed glue: the pipeline engine, its last-stage loss, micro-batches, clipping, weight moves.
+
+Everything that touches DeepSpeed's pipeline engine or torch.distributed lives here, so the math
+(grpo/, metrics.py) stays pure and `trainer.py` reads as the algorithm.
+"""
+import contextlib
+import copy
+from collections import defaultdict
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from .grpo.rollouts import Rollout
+from .model.pipe import Embed, TwoCircuitPipe
+
+
+class PipeLoss:
+    """DeepSpeed's `loss_fn(outputs, labels)` on the last stage.
+
+    Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_BT1). `weight` is 1/N_tokens of the mini-batch on response tokens; the returned loss
+    is multiplied by `scale` = grad-accumulation × data-parallel size to undo DeepSpeed's averaging,
+    so the gradient is exactly the global token-mean's. Mode "logprob" only records log π of the
+    targets (returns a zero scalar, as eval_batch needs one). With `old_is_current`, π_old is the
+    current forward detached (one update per rollout: ρ = 1 exactly, no extra pass)."""
+
+    def __init__(self, coefs: LossCoefs, temperature: float):
+        self.coefs, self.temperature = coefs, temperature
+        self.mode, self.scale, self.old_is_current = "train", 1.0, True
+        self.reset()
+
+    def reset(self):
+        self.logps: list[torch.Tensor] = []
+        self.sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+
+    def __call__(self, logits_BTV, labels):
+        targets, weight, adv, old, ref = labels
+        logp, entropy = token_logprobs(logits_BTV[:, :-1], targets, self.temperature)
+        if self.mode == "logprob":
+            self.logps.append(logp.detach())
+            return logp.new_zeros(())
+        if self.old_is_current:
+            old = logp.detach()
+            self.logps.append(old)
+        loss, sums = grpo_token_loss(logp, old, ref, adv, weight, self.coefs)
+        sums["actor/entropy"] = (weight * entropy).sum()
+        for k, v in sums.items():
+            self.sums[k] += v
+        return loss * self.scale
+
+
+def init_distributed() -> None:
+    """gloo on CPU (DeepSpeed's CPU default, oneCCL, is rarely installed), the accelerator's own elsewhere.
+
+    DeepSpeed's CPU backend also JIT-builds a shared-memory all-reduce op for inference and leaves a
+    69 MB /dev/shm file per rank behind; training never uses it, so it is switched off here."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        getattr(deepspeed.ops, "__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def build_engine(model_dir: str, tc, ds_config: dict):
+    """→ (engine, pipe, loss). Clipping is taken out of DeepSpeed's hands in plain fp32 (see `TrueNormClip`)."""
+    loss = PipeLoss(LossCoefs(tc.grpo.clip_low, tc.grpo.clip_high, tc.grpo.clip_ratio_c, tc.grpo.kl_coef),
+                    tc.grpo.temperature)
+    pipe = TwoCircuitPipe(model_dir, tc.model.layers_per_stage, loss, tc.model.attn_implementation)
+    ds = copy.deepcopy(ds_config)
+    clip = ds.get("gradient_clipping", 1.0)   # DeepSpeed's default is 1.0
+    own_clip = not (ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
+                    or ds.get("zero_optimization", {}).get("stage", 0) > 0)
+    if own_clip:
+        ds["gradient_clipping"] = 0.0
+    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()
+                                                                         if p.requires_grad], config=ds)
+    engine.true_norm_clip = TrueNormClip(engine, pipe, clip, own_clip)
+    return engine, pipe, loss
+
+
+class TrueNormClip:
+    """Gradient clipping by the true global norm across all pipeline stages (plain fp32 path).
+
+    DeepSpeed 0.19.8's fp32 pipeline path treats the pipe group as model-parallel and clips by a
+    norm that counts only stage 0's gradients (see DEEPSPEED_NOTES). Here every stage's squared norm
+    is all-reduced over the pipe group, the tied head's duplicate counted once, and all stages scale
+    by the same factor, before the optimizer consumes the gradient (a step pre-hook). In bf16 and
+    ZeRO-1 DeepSpeed's own clip is already correct and this only reports its norm."""
+
+    def __init__(self, engine, pipe: TwoCircuitPipe, max_norm: float, active: bool):
+        self.engine, self.max_norm, self.active, self.last_norm = engine, max_norm, active, float("nan")
+        dup = {id(p) for m in pipe.modules() if isinstance(m, Embed) and pipe.stage_id != 0 for p in m.parameters()}
+        self.params = [p for p in pipe.parameters() if p.requires_grad and id(p) not in dup]
+        self.group = engine.grid.get_pipe_parallel_group()
+        if self.active:
+            engine.optimizer.register_step_pre_hook(lambda *_: self.clip())
+
+    @torch.no_grad()
+    def clip(self) -> None:
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        self.last_norm = float(sq.sqrt())
+        if self.max_norm > 0 and self.last_norm > self.max_norm:
+            coef = self.max_norm / (self.last_norm + 1e-6)
+            for p in self.engine.module.parameters():   # every copy, tied duplicates included
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+    def norm(self) -> float:
+        return self.last_norm if self.active else float(self.engine.get_global_grad_norm() or float("nan"))
+
+
+def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1):
+    """Yield DeepSpeed's ((ids, attn, sid), labels) micro-batches of `micro` sequences, in order."""
+    for i in range(0, r.ids_NT.shape[0], micro):
+        s = slice(i, i + micro)
+        yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s]),
+               (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
+
+
+@contextlib.contextmanager
+def swapped_weights(pipe: TwoCircuitPipe, other: list[torch.Tensor]):
+    """Run with `other` in place of the stage's parameters (zero-copy swap of .data), then swap back."""
+    params = list(pipe.parameters())
+    for p, o in zip(params, other):
+        p.data, o.data = o.data, p.data
+    try:
+        yield
+    finally:
+        for p, o in zip(params, other):
+            p.data, o.data = o.data, p.data
+
+
+def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0) -> list[torch.Tensor]:
+    """Broadcast a list of n tensors (any shapes/dtypes) from src; other ranks pass None."""
+    meta = [None]
+    if dist.get_rank() == src:
+        meta = [[(tuple(t.shape), t.dtype) for t in ts]]
+    dist.broadcast_object_list(meta, src=src)   # shapes only: a few hundred bytes, within our own world
+    if dist.get_rank() != src:
+        ts = [torch.empty(shape, dtype=dtype) for shape, dtype in meta[0]]
+    for t in ts:
+        dist.broadcast(t, src=src)
+    assert len(ts) == n
+    return ts
+
+
+def gather_stage_weights(engine, pipe: TwoCircuitPipe, shapes: dict | None):
+    """Dense weights from every stage to global rank 0 (p2p, one flat fp32 buffer per stage).
+
+    → (list of (hf_name, tensor)) on rank 0, None elsewhere; and the bytes moved."""
+    names = pipe.hf_names_per_stage()
+    if engine.grid.get_data_parallel_rank() != 0:
+        return None, 0
+    mine = pipe.hf_parameters()
+    if dist.get_rank() != 0:
+        flat = torch.cat([mine[n].detach().float().reshape(-1) for n in names[pipe.stage_id]])
+        dist.send(flat, dst=0)
+        return None, 0
+    out, nbytes = [(n, mine[n].detach()) for n in names[0]], 0
+    for s in range(1, pipe.num_stages):
+        numel = [shapes[n][0].numel() for n in names[s]]
+        flat = torch.empty(sum(numel))
+        dist.recv(flat, src=engine.grid.stage_to_global(stage_id=s, data=0))
+        nbytes += flat.numel() * flat.element_size()
+        out += [(n, t.view(shapes[n][0])) for n, t in zip(names[s], flat.split(numel))]
+    return out, nbytes

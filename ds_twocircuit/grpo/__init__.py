@@ -1,0 +1,1 @@
+"""GRPO math (pure): advantages, the token loss, the rollout batch."""

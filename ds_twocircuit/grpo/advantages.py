@@ -1,0 +1,19 @@
+"""Group-normalised advantages (GRPO's critic-free baseline).
+
+For prompt p with G samples and rewards r_p1..r_pG:
+
+    Â_pi = (r_pi − mean_j r_pj) / (std_j r_pj + ε)
+
+std is the unbiased sample standard deviation (as verl's `compute_grpo_outcome_advantage`). A group
+whose rewards are all equal gets Â = 0: it carries no learning signal. Every token of a response
+shares its sequence's advantage.
+"""
+import torch
+
+
+def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """rewards_N: (B·G,) with the G samples of a prompt adjacent → advantages (B·G,), float32."""
+    r_BG = rewards_N.float().view(-1, group_size)
+    mean_B1 = r_BG.mean(dim=1, keepdim=True)
+    std_B1 = r_BG.std(dim=1, keepdim=True)
+    return ((r_BG - mean_B1) / (std_B1 + eps)).view(-1)

@@ -1,0 +1,71 @@
+"""The GRPO token loss: clipped ratio with dual-clip, k3 KL to the reference, global token-mean.
+
+Per response token t of sequence i, with ρ = exp(logπ_θ − logπ_old) and advantage Â_i:
+
+    pg_t  = max(−Â·ρ, −Â·clip(ρ, 1−ε_low, 1+ε_high))          (PPO clip)
+    pg_t  = min(pg_t, −Â·c)                  if Â < 0           (dual-clip, c = clip_ratio_c > 1)
+    kl_t  = exp(logπ_ref − logπ_θ) − (logπ_ref − logπ_θ) − 1    (k3 estimator, ≥ 0, unbiased for KL(π_θ‖π_ref))
+    ℓ_t   = pg_t + β·kl_t
+
+Aggregation is token-mean over the whole PPO mini-batch: L = Σ_t w_t·ℓ_t with w_t = 1/N_tokens on
+response tokens (0 elsewhere), N_tokens counted over the mini-batch, not the micro-batch. The caller
+folds N_tokens (and DeepSpeed's division by gradient-accumulation steps) into `weight_BT`, so the
+sum over micro-batches is the same number however the batch is split or the model is staged.
+
+All log-probabilities come through the same pipeline (and, with a codec, the same mask), so ρ = 1
+and kl = 0 exactly at the first update of a step at step 0.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossCoefs:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    kl_coef: float = 0.001
+
+
+def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: LossCoefs):
+    """→ (loss scalar = Σ w·ℓ, metric sums dict). Metric sums are w-weighted (divide by Σw for means).
+
+    logp_BT: (B, T) log π_θ of the target tokens, with grad. old/ref: (B, T), no grad.
+    adv_B: (B,) sequence advantages. weight_BT: (B, T) per-token weights, 0 off the response.
+    """
+    adv_B1 = adv_B.unsqueeze(1)
+    log_ratio = logp_BT - old_logp_BT
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv_B1 * ratio
+    pg_clipped = -adv_B1 * torch.clamp(ratio, 1.0 - coefs.clip_low, 1.0 + coefs.clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual_bound = -adv_B1 * coefs.clip_ratio_c
+    pg_dual = torch.where(adv_B1 < 0, torch.minimum(pg, dual_bound), pg)
+    ref_diff = ref_logp_BT - logp_BT
+    kl = torch.exp(ref_diff) - ref_diff - 1.0
+    loss = (weight_BT * (pg_dual + coefs.kl_coef * kl)).sum()
+
+    with torch.no_grad():
+        w = weight_BT
+        clipped_up = (pg_clipped > pg_unclipped) & (adv_B1 > 0)    # ratio above 1+ε_high, Â>0
+        clipped_low = (pg_clipped > pg_unclipped) & (adv_B1 < 0)   # ratio below 1−ε_low, Â<0
+        dual = (pg > dual_bound) & (adv_B1 < 0)
+        sums = {
+            "actor/pg_loss": (w * pg_dual).sum(),
+            "actor/kl_loss": (w * kl).sum(),
+            "actor/ppo_kl": (w * -log_ratio).sum(),
+            "actor/pg_clipfrac": (w * (clipped_up | clipped_low).float()).sum(),
+            "actor/pg_clipfrac_lower": (w * clipped_low.float()).sum(),
+            "actor/pg_clipfrac_dual": (w * dual.float()).sum(),
+        }
+    return loss, sums
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0):
+    """log softmax(logits/τ) at the target ids → (logp_BT, entropy_BT). Logits in fp32."""
+    logp_BTV = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
+    logp_BT = logp_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
+    return logp_BT, entropy_BT

@@ -1,0 +1,35 @@
+"""The rollout batch: what the sampler produced for one step, in the trainer's coordinates.
+
+Legend: N = B·G sequences (the G samples of a prompt adjacent), T = padded length (left-padded
+prompt, right-padded response). "Target coordinates" (T−1 columns) index the predicted token:
+column j is the log-probability of ids[:, j+1] given ids[:, :j+1], so logits of position j score
+target j, and every per-token tensor below lives there.
+"""
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Rollout:
+    ids_NT: torch.Tensor           # int64 token ids
+    attn_NT: torch.Tensor          # int64 1 on real tokens (prompt and response), 0 on padding
+    resp_NT1: torch.Tensor         # float 1.0 on response targets (through the first eos), target coords
+    sampler_logp_NT1: torch.Tensor # float sampler's log-prob of each response target (0 elsewhere)
+    rewards_N: torch.Tensor        # float verifier rewards
+    adv_N: torch.Tensor            # float group-normalised advantages
+    sample_id_N: torch.Tensor      # int64 stable id of the sequence within the step's batch
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_tensors(cls, ts: list[torch.Tensor]) -> "Rollout":
+        return cls(*ts)
+
+    def slice(self, start: int, stop: int) -> "Rollout":
+        return Rollout(*[t[start:stop] for t in self.tensors()])
+
+    @property
+    def num_response_tokens(self) -> float:
+        return float(self.resp_NT1.sum())

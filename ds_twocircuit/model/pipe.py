@@ -1,0 +1,187 @@
+"""An HF Qwen2/Llama causal LM as a DeepSpeed `PipelineModule` with an explicit layer split.
+
+Layer items, in order: `Embed` (stage 0) · one `Decoder` per HF decoder layer · `FinalNorm` · the
+LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
+the last two on the last stage. `layers_per_stage` assigns decoder layers to stages.
+
+What crosses a stage boundary is the tuple `(h_BTD float, attn_BT int64, sample_id_B int64)`: the
+hidden state is the only float (DeepSpeed sends a gradient back for every float it receives),
+floats first (its receive buffers are matched by position). Rotary positions and the 4-D causal +
+padding mask are rebuilt on every stage from `attn_BT`: position = (cumsum(attn) − 1) clamped at 0,
+the same rule HF `generate` uses for left-padded prompts. `sample_id_B` is the stable id of each
+sequence in the step's batch (the boundary codec keys its masks with it).
+
+Each layer item is built on the meta device and materialised from the checkpoint's safetensors
+files, so a rank only ever holds its own stage. The model knows nothing of pipelining; these
+wrappers only adapt HF's layer signature to DeepSpeed's one-tuple interface.
+"""
+import importlib
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from transformers import AutoConfig
+from transformers.masking_utils import create_causal_mask
+
+from .weights import SafetensorsReader, load_module_from
+
+
+def hf_module_classes(config):
+    """(DecoderLayer, RMSNorm, RotaryEmbedding) classes of the config's model family."""
+    mod = importlib.import_module(type(config).__module__.replace("configuration_", "modeling_"))
+    pick = lambda suffix: next(getattr(mod, n) for n in dir(mod) if n.endswith(suffix) and not n.startswith("_"))
+    return pick("DecoderLayer"), pick("RMSNorm"), pick("RotaryEmbedding")
+
+
+def positions_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
+    return (attn_BT.cumsum(-1) - 1).clamp(min=0)
+
+
+class Embed(torch.nn.Module):
+    def __init__(self, config, reader):
+        super().__init__()
+        with torch.device("meta"):
+            self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        load_module_from(self, reader, "model.")
+
+    def forward(self, inputs):
+        ids_BT, attn_BT, sid_B = inputs
+        return self.embed_tokens(ids_BT), attn_BT, sid_B
+
+    def hf_parameters(self):
+        return {"model.embed_tokens.weight": self.embed_tokens.weight}
+
+
+def tied_head(embed: Embed, h_BTD: torch.Tensor) -> torch.Tensor:
+    return F.linear(h_BTD, embed.embed_tokens.weight)  # logits_BTV
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, config, layer_idx: int, reader):
+        super().__init__()
+        layer_cls, _, rotary_cls = hf_module_classes(config)
+        self.config, self.layer_idx = config, layer_idx
+        with torch.device("meta"):
+            self.layer = layer_cls(config, layer_idx)
+        load_module_from(self.layer, reader, f"model.layers.{layer_idx}.")
+        self.rotary = rotary_cls(config=config)   # non-persistent buffers only
+
+    def forward(self, inputs):
+        h_BTD, attn_BT, sid_B = inputs
+        pos_BT = positions_from_mask(attn_BT)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h_BTD, attention_mask=attn_BT, cache=None,
+                                  position_ids=pos_BT)
+        cos_sin = self.rotary(h_BTD, pos_BT)
+        h_BTD = self.layer(h_BTD, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
+        return h_BTD, attn_BT, sid_B
+
+    def hf_parameters(self):
+        return {f"model.layers.{self.layer_idx}.{n}": p for n, p in self.layer.named_parameters()}
+
+
+class FinalNorm(torch.nn.Module):
+    def __init__(self, config, reader):
+        super().__init__()
+        _, norm_cls, _ = hf_module_classes(config)
+        with torch.device("meta"):
+            self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        load_module_from(self, reader, "model.")
+
+    def forward(self, inputs):
+        return self.norm(inputs[0])
+
+    def hf_parameters(self):
+        return {"model.norm.weight": self.norm.weight}
+
+
+class LMHead(torch.nn.Module):
+    def __init__(self, config, reader):
+        super().__init__()
+        with torch.device("meta"):
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        load_module_from(self, reader, "")
+
+    def forward(self, h_BTD):
+        return self.lm_head(h_BTD)
+
+    def hf_parameters(self):
+        return {"lm_head.weight": self.lm_head.weight}
+
+
+def load_hf_config(model_dir: str, attn_implementation: str):
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = attn_implementation
+    config.use_cache = False
+    return config
+
+
+def layer_specs(config, reader) -> list:
+    specs = [TiedLayerSpec("embed", Embed, config, reader, tied_weight_attr=["embed_tokens.weight"])
+             if config.tie_word_embeddings else LayerSpec(Embed, config, reader)]
+    specs += [LayerSpec(Decoder, config, i, reader) for i in range(config.num_hidden_layers)]
+    specs.append(LayerSpec(FinalNorm, config, reader))
+    specs.append(TiedLayerSpec("embed", Embed, config, reader, forward_fn=tied_head,
+                               tied_weight_attr=["embed_tokens.weight"])
+                 if config.tie_word_embeddings else LayerSpec(LMHead, config, reader))
+    return specs
+
+
+def explicit_parts(layers_per_stage: list[int]) -> list[int]:
+    """Item boundaries: stage 0 also holds the embedding, the last stage the norm and head."""
+    parts, acc = [0], 1
+    for n in layers_per_stage:
+        acc += n
+        parts.append(acc)
+    parts[-1] += 2
+    return parts
+
+
+class TwoCircuitPipe(PipelineModule):
+    """`PipelineModule` with the split given explicitly as decoder layers per stage."""
+
+    def __init__(self, model_dir: str, layers_per_stage: list[int], loss_fn, attn_implementation="sdpa", **kw):
+        self.config = load_hf_config(model_dir, attn_implementation)
+        self.model_dir = str(model_dir)
+        self.layers_per_stage = list(layers_per_stage)
+        super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir)),
+                         num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform",
+                         dynamic_shape=True, **kw)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = explicit_parts(self.layers_per_stage)
+        assert self.parts[-1] == len(self._layer_specs), (self.parts, len(self._layer_specs))
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    def hf_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This stage's parameters under HF names; the tied head's copy belongs to stage 0."""
+        out = {}
+        for m in self.modules():
+            if isinstance(m, (Decoder, FinalNorm, LMHead)) or (isinstance(m, Embed) and self.stage_id == 0):
+                out.update(m.hf_parameters())
+        return out
+
+    def hf_names_per_stage(self) -> list[list[str]]:
+        """HF names each stage owns, derived from the split (the same on every rank)."""
+        cfg, out = self.config, []
+        layer = 0
+        for s, n in enumerate(self.layers_per_stage):
+            names = ["model.embed_tokens.weight"] if s == 0 else []
+            for i in range(layer, layer + n):
+                names += [f"model.layers.{i}.{k}" for k in self._decoder_param_names()]
+            layer += n
+            if s == len(self.layers_per_stage) - 1:
+                names.append("model.norm.weight")
+                if not cfg.tie_word_embeddings:
+                    names.append("lm_head.weight")
+            out.append(names)
+        return out
+
+    def _decoder_param_names(self) -> list[str]:
+        layer_cls, _, _ = hf_module_classes(self.config)
+        with torch.device("meta"):
+            return [n for n, _ in layer_cls(self.config, 0).named_parameters()]

@@ -1,0 +1,77 @@
+"""HF `generate` sampler on a dense copy of the current weights (the CPU default backend).
+
+It records the log-probability of every token it sampled under its own sampling distribution
+(softmax(logits/τ), no top-k/top-p), so the trainer can measure the train-inference mismatch.
+Prompts are left-padded; the response runs through the first end-of-sequence token, padding after.
+"""
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@dataclass
+class Generation:
+    ids_NT: torch.Tensor          # prompt (left-padded) + response (right-padded)
+    attn_NT: torch.Tensor
+    resp_NT1: torch.Tensor        # response targets, target coordinates (see grpo/rollouts.py)
+    logp_NT1: torch.Tensor        # sampler log-probs of the response targets
+    texts: list[str]              # decoded responses
+
+
+class HFSampler:
+    def __init__(self, model_dir: str, attn_implementation: str = "sdpa"):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, t in named_tensors:
+            params[name].copy_(t)
+
+    def state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,
+                 temperature: float = 1.0) -> Generation:
+        """Each prompt repeated n times (adjacent). → Generation with N = len(prompts)·n rows."""
+        enc = self.tokenizer([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
+                             add_special_tokens=False)
+        sample = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+        out = self.model.generate(
+            **enc, do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True, **sample)
+        P = enc["input_ids"].shape[1]
+        gen_NR = out.sequences[:, P:]
+        is_eos = (gen_NR == self.eos_id).long()
+        resp_NR = (is_eos.cumsum(1) - is_eos) == 0            # through the first eos, inclusive
+        logits_NRV = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+        logp_NR = torch.log_softmax(logits_NRV, -1).gather(-1, gen_NR.unsqueeze(-1)).squeeze(-1)
+        pad = torch.zeros(gen_NR.shape[0], P - 1)
+        texts = [self.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen_NR, resp_NR)]
+        ids_NT = torch.where(torch.cat([torch.ones_like(enc["input_ids"], dtype=torch.bool), resp_NR], 1),
+                             out.sequences, self.pad_id)
+        return Generation(
+            ids_NT=ids_NT,
+            attn_NT=torch.cat([enc["attention_mask"], resp_NR.long()], 1),
+            resp_NT1=torch.cat([pad, resp_NR.float()], 1),
+            logp_NT1=torch.cat([pad, logp_NR * resp_NR], 1),
+            texts=texts,
+        )
+
+
+def greedy_accuracy(sampler, prompts: list[str], answers: list[str], reward, max_new_tokens: int,
+                    batch: int = 512) -> float:
+    """Held-out greedy mean@1 accuracy (dense view)."""
+    hits = 0.0
+    for i in range(0, len(prompts), batch):
+        gen = sampler.generate(prompts[i:i + batch], 1, greedy=True, max_new_tokens=max_new_tokens)
+        hits += sum(reward(t, a) for t, a in zip(gen.texts, answers[i:i + batch]))
+    return hits / max(1, len(prompts))

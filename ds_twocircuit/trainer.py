@@ -1,0 +1,255 @@
+"""One fast-circuit GRPO step, top to bottom, and the run loop around it.
+
+    prompts ─► sampler (dense θ_t, rank 0) ─► completions + sampler log-probs ─► verifier ─► rewards
+            ─► group advantages ─► broadcast to all stages
+            ─► pipeline eval: reference log-probs (base weights), old log-probs (when > 1 update)
+            ─► pipeline train_batch per PPO mini-batch (true-norm clip) ─► optimizer ─► θ_{t+1}
+            ─► dense weights gathered from the stages to the sampler
+
+A "step" is one rollout iteration; at the default one PPO mini-batch it is one optimizer step.
+The sampler lives on global rank 0 beside stage 0; the other ranks wait in the next collective
+while it generates. Everything random is keyed by (seed, step), so a resumed run replays the same
+batches and samples.
+"""
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from . import engine as eng
+from .config import RunConfig, to_yaml
+from .data import build_task
+from .grpo.advantages import group_advantages
+from .grpo.rollouts import Rollout
+from .metrics import RunLogger, finish_mismatch, mismatch_sums
+from .model.weights import write_index, write_stage_shard
+from .sampler.hf import HFSampler, greedy_accuracy
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, run_dir: pathlib.Path, model_dir: str, resume: bool):
+        self.run_cfg, self.tc, self.run_dir, self.model_dir = run, run.tc, run_dir, model_dir
+        self.engine, self.pipe, self.loss = eng.build_engine(model_dir, self.tc, run.ds)
+        self.base = [p.detach().clone() for p in self.pipe.parameters()]   # reference policy and θ_0
+        self.rank0 = dist.get_rank() == 0
+        self.last_stage = self.pipe.stage_id == self.pipe.num_stages - 1
+        self.task = build_task(self.tc.data)
+        self.micro = run.ds["train_micro_batch_size_per_gpu"]
+        self.start = self._load_checkpoint() if resume else 0
+        if self.rank0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
+            self.sampler = HFSampler(model_dir, self.tc.model.attn_implementation)
+            self.shapes = self.sampler.state_shapes()
+            self.logger = RunLogger(run_dir, {"twocircuit": json.loads(json.dumps(to_plain(self.tc))), **run.ds},
+                                    self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
+        if resume:
+            self.sync_sampler()
+
+    # ---- the run ----------------------------------------------------------------------------
+    def run(self) -> None:
+        steps = self.tc.train.steps
+        if self.start == 0:
+            self.evaluate(0)
+        for t in tqdm(range(self.start, steps), desc="grpo", initial=self.start, total=steps, disable=not self.rank0):
+            row = self.step(t)
+            if self.rank0:
+                self.logger.log(row)
+            done = t + 1
+            if done % self.tc.train.eval_every == 0 or done == steps:
+                self.evaluate(done)
+            if (self.tc.train.save_every and done % self.tc.train.save_every == 0) or done == steps:
+                self.save_checkpoint(done)
+        self.export_hf(self.run_dir / "model")
+        if self.rank0:
+            self.logger.close()
+
+    def step(self, t: int) -> dict:
+        t0 = time.perf_counter()
+        rollout = self.rollout(t)
+        t1 = time.perf_counter()
+        mine = self.dp_slice(rollout)
+        metrics = self.update(t, mine)
+        t2 = time.perf_counter()
+        sync_bytes = self.sync_sampler()
+        t3 = time.perf_counter()
+        metrics.update({"timing/gen": t1 - t0, "timing/train": t2 - t1, "timing/sync": t3 - t2,
+                        "timing/step": t3 - t0, "sync/bytes": sync_bytes})
+        return {"step": t + 1, **metrics}
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def prompt_rows(self, t: int) -> list[int]:
+        """Rows of the training set for step t: consecutive slices of per-epoch permutations."""
+        n, B = len(self.task.train), self.tc.grpo.prompts_per_step
+        rows = []
+        for i in range(t * B, (t + 1) * B):
+            epoch, pos = divmod(i, n)
+            rows.append(int(np.random.default_rng([self.tc.train.seed, epoch]).permutation(n)[pos]))
+        return rows
+
+    def rollout(self, t: int) -> Rollout:
+        """Rank 0 samples and scores; every rank receives the batch."""
+        g = self.tc.grpo
+        ts = None
+        if self.rank0:
+            rows = self.task.train.select(self.prompt_rows(t))
+            torch.manual_seed(self.tc.train.seed * 1_000_003 + t)
+            with all_threads():
+                gen = self.sampler.generate([self.task.prompt(p) for p in rows["problem"]], g.group_size,
+                                            max_new_tokens=g.max_new_tokens, temperature=g.temperature)
+            answers = [a for a in rows["answer"] for _ in range(g.group_size)]
+            rewards = torch.tensor([self.task.reward(x, a) for x, a in zip(gen.texts, answers)])
+            ts = Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,
+                         group_advantages(rewards, g.group_size, g.adv_eps),
+                         torch.arange(len(answers))).tensors()
+        return Rollout.from_tensors(eng.broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
+
+    def dp_slice(self, r: Rollout) -> list[tuple[Rollout, float]]:
+        """This replica's part of each PPO mini-batch, with the mini-batch's response-token count."""
+        g, dp = self.tc.grpo, self.run_cfg.dp
+        size = r.ids_NT.shape[0] // g.ppo_mini_batches
+        rank = self.engine.grid.get_data_parallel_rank()
+        out = []
+        for m in range(g.ppo_mini_batches):
+            mb = r.slice(m * size, (m + 1) * size)
+            part = size // dp
+            out.append((mb.slice(rank * part, (rank + 1) * part), mb.num_response_tokens))
+        return out
+
+    # ---- training ---------------------------------------------------------------------------
+    def update(self, t: int, minibatches: list[tuple[Rollout, float]]) -> dict:
+        g = self.tc.grpo
+        on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
+        zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in minibatches]
+        refs = [self.logprobs(mb, self.base) for mb, _ in minibatches] if g.kl_coef > 0 else zeros
+        olds = zeros if on_policy else [self.logprobs(mb) for mb, _ in minibatches]
+        self.loss.reset()
+        self.loss.mode, self.loss.old_is_current = "train", on_policy
+        self.loss.scale = self.engine.gradient_accumulation_steps() * self.run_cfg.dp
+        norms = []
+        for _ in range(g.ppo_epochs):
+            for (mb, ntok), old, ref in zip(minibatches, olds, refs):
+                w = mb.resp_NT1 / max(ntok, 1.0)
+                self.engine.train_batch(iter(eng.micro_batches(mb, self.micro, w, old, ref)))
+                norms.append(self.engine.true_norm_clip.norm())
+        if on_policy:
+            olds = [torch.cat(self.loss.logps)] if self.last_stage else olds
+        return self.reduce_metrics(minibatches, olds, norms)
+
+    def logprobs(self, mb: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """log π(target) of every sequence through the pipeline (current or given weights), last stage."""
+        self.loss.reset()
+        self.loss.mode = "logprob"
+        z = torch.zeros_like(mb.resp_NT1)
+        data = iter(eng.micro_batches(mb, self.micro, z, z, z))
+        n_micro = mb.ids_NT.shape[0] // self.micro
+        if weights is None:
+            self.engine.eval_batch(data, num_micro_batches=n_micro, bcast_loss=False)
+        else:
+            with eng.swapped_weights(self.pipe, weights):
+                self.engine.eval_batch(data, num_micro_batches=n_micro, bcast_loss=False)
+        self.loss.mode = "train"
+        return torch.cat(self.loss.logps) if self.last_stage else z
+
+    def reduce_metrics(self, minibatches, olds, norms) -> dict:
+        """Sum the last stages' token-mean sums over the world, finish the means on rank 0."""
+        g = self.tc.grpo
+        n_updates = g.ppo_mini_batches * g.ppo_epochs
+        sums = {k: v / n_updates for k, v in self.loss.sums.items()}
+        total = sum(ntok for _, ntok in minibatches)
+        for (mb, _), old in zip(minibatches, olds):
+            for k, v in mismatch_sums(mb.sampler_logp_NT1, old, mb.resp_NT1 / max(total, 1.0)).items():
+                sums[k] = sums.get(k, 0.0) + v
+        keys = sorted(KEYS)
+        vec = torch.tensor([float(sums.get(k, 0.0)) if self.last_stage else 0.0 for k in keys], dtype=torch.float64)
+        vec = torch.cat([vec, self.weight_movement()])
+        dist.all_reduce(vec)
+        out = dict(zip(keys, vec[:len(keys)].tolist()))
+        out = finish_mismatch(out)
+        out.update(self.movement_metrics(vec[len(keys):]))
+        rewards = torch.cat([mb.rewards_N for mb, _ in minibatches])
+        lengths = torch.cat([mb.resp_NT1.sum(1) for mb, _ in minibatches])
+        out.update({"critic/score/mean": float(rewards.mean()), "response_length/mean": float(lengths.mean()),
+                    "actor/grad_norm": float(np.mean(norms)), "actor/lr": self.engine.get_lr()[0]})
+        return out
+
+    def weight_movement(self) -> torch.Tensor:
+        """Per stage: [Σ(θ−θ0)², Σθ0², Σθ·θ0, Σθ²] at this stage's slot (data-parallel rank 0 only)."""
+        v = torch.zeros(self.pipe.num_stages, 4, dtype=torch.float64)
+        if self.engine.grid.get_data_parallel_rank() == 0:
+            for p, b in zip(self.pipe.parameters(), self.base):
+                p, b = p.detach().double(), b.double()
+                v[self.pipe.stage_id] += torch.stack([(p - b).pow(2).sum(), b.pow(2).sum(), (p * b).sum(), p.pow(2).sum()])
+        return v.view(-1)
+
+    def movement_metrics(self, v: torch.Tensor) -> dict:
+        v = v.view(-1, 4)
+        out = {}
+        for s, (d2, b2, pb, p2) in enumerate(v.tolist()):
+            out[f"weights/rel_change/stage{s}"] = (d2 / b2) ** 0.5
+            out[f"weights/cos_base/stage{s}"] = pb / (p2 * b2) ** 0.5
+        return out
+
+    # ---- sampler sync, evaluation, checkpoints, export --------------------------------------
+    def sync_sampler(self) -> int:
+        named, nbytes = eng.gather_stage_weights(self.engine, self.pipe, self.shapes if self.rank0 else None)
+        if self.rank0:
+            self.sampler.load_weights(named)
+        return nbytes
+
+    def evaluate(self, step: int) -> None:
+        """Held-out greedy accuracy with the sampler's dense weights (rank 0)."""
+        if not self.rank0:
+            return
+        held = self.task.held_out
+        with all_threads():
+            acc = greedy_accuracy(self.sampler, [self.task.prompt(p) for p in held["problem"]], held["answer"],
+                                  self.task.reward, self.tc.grpo.max_new_tokens)
+        self.logger.log({"step": step, "acc": acc, "n": len(held)}, file="eval.jsonl")
+        tqdm.write(f"[eval] step {step}: held-out greedy accuracy {acc:.3f} (n={len(held)})")
+
+    def save_checkpoint(self, done: int) -> None:
+        self.engine.save_checkpoint(str(self.run_dir / "checkpoints"), tag=f"step{done}", client_state={"step": done})
+
+    def _load_checkpoint(self) -> int:
+        ckpt = self.run_dir / "checkpoints"
+        if not (ckpt / "latest").is_file():
+            raise ValueError(f"--resume: no checkpoint under {ckpt}")
+        _, client = self.engine.load_checkpoint(str(ckpt))
+        return int(client["step"])
+
+    def export_hf(self, out_dir: pathlib.Path) -> None:
+        """The current weights as an HF checkpoint: one shard per stage, index and config by rank 0."""
+        if self.engine.grid.get_data_parallel_rank() == 0:
+            mine = self.pipe.hf_parameters()
+            names = self.pipe.hf_names_per_stage()[self.pipe.stage_id]
+            write_stage_shard(out_dir, self.pipe.stage_id, self.pipe.num_stages, {n: mine[n] for n in names})
+        dist.barrier()
+        if self.rank0:
+            write_index(out_dir, self.pipe.hf_names_per_stage(), self.pipe.config, self.model_dir)
+
+
+KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+        "actor/pg_clipfrac_dual", "actor/entropy", "rollout_corr/kl", "rollout_corr/k3_kl",
+        "rollout_corr/prob_diff_mean", "_ps", "_pt", "_ps2", "_pt2", "_pspt"]
+
+
+class all_threads:
+    """Use every core for rank 0's generation: the other ranks are idle in a collective meanwhile."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(int(os.environ.get("DS_TWOCIRCUIT_GEN_THREADS", os.cpu_count() or 1)))
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
+
+
+def to_plain(tc):
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(OmegaConf.structured(tc))

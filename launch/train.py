@@ -1,0 +1,53 @@
+"""Entry point: `deepspeed [--num_gpus N | --hostfile H] launch/train.py --ds-config FILE
+[--run-dir DIR] [--resume] [key=value ...]`.
+
+Parse and validate the whole config first (no process group yet, so a mistake costs seconds and
+prints one line), make sure the base model exists (the embedded one is built once and cached),
+then start the process group, build the pipeline engine and train.
+"""
+import argparse
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
+
+from ds_twocircuit.config import ConfigError, load_config  # noqa: E402  (light: no torch)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON with a 'twocircuit' block")
+    p.add_argument("--run-dir", default=None, help="default: runs/<config name>")
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. train.steps=50")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run = load_config(args.ds_config, args.overrides)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
+
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from ds_twocircuit.engine import init_distributed
+    from ds_twocircuit.model.tiny import ensure_tiny_model
+    from ds_twocircuit.model.weights import resolve_model_dir
+    from ds_twocircuit.trainer import Trainer
+
+    tc = run.tc
+    model_dir = str(resolve_model_dir(tc.model.path)) if tc.model.path else ensure_tiny_model(tc.model.tiny)
+    init_distributed()
+    Trainer(run, run_dir, model_dir, resume=args.resume).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Shared fixtures: the embedded base model built small and once per session, real launches."""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "configs" / "tiny.json"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """A private model cache: the tests build their own small embedded model (about 10 s)."""
+    d = tmp_path_factory.mktemp("cache")
+    os.environ["DS_TWOCIRCUIT_CACHE"] = str(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model(cache_dir):
+    from ds_twocircuit.config import load_config
+    from ds_twocircuit.model.tiny import ensure_tiny_model
+    run = load_config(str(TINY), [], world_size=8)
+    return ensure_tiny_model(run.tc.model.tiny, run.tc.data.eval_size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True):
+    """`deepspeed --num_gpus N launch/train.py ...` as a user runs it; → CompletedProcess."""
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+           str(ROOT / "launch" / "train.py"), "--ds-config", str(config), "--run-dir", str(run_dir)]
+    cmd += (["--resume"] if resume else []) + list(overrides)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"launch failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def rows(run_dir, name="metrics.jsonl"):
+    return [json.loads(l) for l in (pathlib.Path(run_dir) / name).read_text().splitlines() if l.strip()]
+
+
+def stages(n_stages: int, n_layers: int = 8) -> str:
+    base, extra = divmod(n_layers, n_stages)
+    split = [base + (1 if i < extra else 0) for i in range(n_stages)]
+    return "model.layers_per_stage=[" + ",".join(map(str, split)) + "]"

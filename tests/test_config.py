@@ -1,0 +1,55 @@
+"""Bad configs fail before any process group starts, with one line that names the key."""
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, free_port
+from ds_twocircuit.config import ConfigError, deepspeed_known_keys, load_config
+
+
+def write(tmp_path, mutate):
+    cfg = json.loads(TINY.read_text())
+    mutate(cfg)
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+@pytest.mark.parametrize("mutate, overrides, needle", [
+    (lambda c: c["twocircuit"]["grpo"].update(bogus=1), [], "grpo.bogus"),
+    (lambda c: None, ["train.stepz=3"], "train.stepz"),
+    (lambda c: c.update(gradient_cliping=1.0), [], "gradient_cliping"),
+    (lambda c: None, ["model.layers_per_stage=[2,2,2,1]"], "sums to 7 but the model has 8"),
+    (lambda c: None, ["model.layers_per_stage=[3,3,2]"], "world size is 8"),
+    (lambda c: c.update(train_micro_batch_size_per_gpu=3), [], "train_micro_batch_size_per_gpu=3"),
+    (lambda c: c.update(gradient_accumulation_steps=7), [], "gradient_accumulation_steps=7"),
+    (lambda c: None, ["grpo.ppo_mini_batches=3"], "grpo.ppo_mini_batches=3"),
+    (lambda c: None, ["codec.name=zip"], "codec.name"),
+    (lambda c: None, ["train.steps=many"], "train.steps"),
+])
+def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(write(tmp_path, mutate), overrides, world_size=8)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_good_config_derives_batches():
+    run = load_config(str(TINY), [], world_size=8)
+    assert run.ds["train_batch_size"] == 64 and run.ds["gradient_accumulation_steps"] == 8
+    assert {"optimizer", "bf16", "zero_optimization", "pipeline", "wandb"} <= deepspeed_known_keys()
+
+
+@pytest.mark.parametrize("override", ["grpo.bogus=1", "model.layers_per_stage=[2,2,2,1,1,1,1,1]"])
+def test_launcher_fails_fast_with_one_line(tmp_path, override):
+    """Through the real launcher with 8 processes: < 10 s, exit code != 0, one 'config error' line."""
+    t0 = time.time()
+    p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
+                        "--ds-config", str(TINY), "--run-dir", str(tmp_path), override],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    elapsed = time.time() - t0
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
+    assert p.returncode != 0 and len(lines) == 1, p.stdout + p.stderr
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,50 @@
+"""Synthetic task, MATH-style rows, verifiers."""
+import json
+
+from ds_twocircuit.data import build_task
+from ds_twocircuit.data.math_rows import last_boxed, load_math_rows, math_prompt
+from ds_twocircuit.data.synthetic import synthetic_splits
+from ds_twocircuit.data.verify import exact_integer, math_answer
+
+
+def test_synthetic_splits_disjoint_and_correct():
+    train, held = synthetic_splits(100)
+    assert len(held) == 100 and len(train) == 9900
+    assert not set(train["problem"]) & set(held["problem"])
+    for p, a in zip(held["problem"][:20], held["answer"][:20]):
+        ab, cd = p[:-1].split("+")
+        c, d = cd.split("*")
+        assert int(a) == int(ab) + int(c) * int(d) and len(p) == 7
+
+
+def test_exact_integer_is_strict():
+    assert exact_integer("42", "42") == 1.0
+    assert exact_integer(" 42 ", "42") == 1.0
+    for bad in ("042x", "4 2", "", "+-", "4" * 5000, "42=42"):
+        assert exact_integer(bad, "42") == 0.0
+
+
+def test_math_answer_and_hostile_strings():
+    assert math_answer("so the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_answer("\\boxed{3}", "4") == 0.0
+    for hostile in ("\\boxed{" * 200, "}" * 1000, "\\frac{" + "9" * 400 + "}{0}", "\x00\\boxed{1}"):
+        assert math_answer(hostile, "1") in (0.0, 1.0)
+
+
+def test_math_rows_from_local_jsonl(tmp_path):
+    f = tmp_path / "m.jsonl"
+    rows = [{"problem": "1+1?", "solution": "It is \\boxed{2}."}, {"problem": "x?", "solution": "\\boxed{\\frac{a}{b}}"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_math_rows(str(f), "train", "problem", "answer")
+    assert ds["answer"] == ["2", "\\frac{a}{b}"]
+    assert "\\boxed{}" in math_prompt("1+1?")
+    assert last_boxed("a \\boxed{1} b \\boxed{{x}}") == "{x}"
+
+
+def test_build_task_from_path(tmp_path):
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
+    cfg = type("D", (), dict(dataset=str(f), split="train", eval_dataset="", eval_split="test", eval_size=8,
+                             problem_key="problem", answer_key="answer"))
+    task = build_task(cfg)
+    assert task.reward("\\boxed{4}", "4") == 1.0 and len(task.held_out) == 1

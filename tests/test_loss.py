@@ -1,0 +1,87 @@
+"""The GRPO loss against closed-form cases, and its token-mean invariance to splitting."""
+import math
+
+import torch
+
+from ds_twocircuit.grpo.advantages import group_advantages
+from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+
+C = LossCoefs(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_coef=0.1)
+
+
+def one_token(log_ratio, adv, ref_diff=0.0, coefs=C):
+    """Loss of a single token (weight 1) with logp = 0 → old = −log_ratio, ref = ref_diff."""
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, sums = grpo_token_loss(logp, torch.full((1, 1), -log_ratio), torch.full((1, 1), ref_diff),
+                                 torch.tensor([adv]), torch.ones(1, 1), coefs)
+    loss.backward()
+    return float(loss.detach()), float(logp.grad), {k: float(v) for k, v in sums.items()}
+
+
+def test_ratio_one_is_minus_advantage():
+    loss, grad, s = one_token(0.0, 1.5)
+    assert loss == -1.5 and s["actor/pg_clipfrac"] == 0.0
+    assert math.isclose(grad, -1.5)                      # d(−Âρ)/dlogp = −Âρ
+
+
+def test_upper_clip_when_advantage_positive():
+    loss, grad, s = one_token(math.log(2.0), 1.0)
+    assert math.isclose(loss, -1.28, rel_tol=1e-6)        # −Â·(1+ε_high)
+    assert grad == 0.0 and s["actor/pg_clipfrac"] == 1.0
+
+
+def test_lower_clip_when_advantage_negative():
+    loss, grad, s = one_token(math.log(0.5), -1.0)
+    assert math.isclose(loss, 0.8, rel_tol=1e-6)          # −Â·(1−ε_low)
+    assert grad == 0.0 and s["actor/pg_clipfrac_lower"] == 1.0
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    loss, grad, s = one_token(math.log(5.0), -2.0)
+    assert math.isclose(loss, 6.0, rel_tol=1e-6)          # min(−Âρ = 10, −Â·c = 6)
+    assert grad == 0.0 and s["actor/pg_clipfrac_dual"] == 1.0
+    loss, _, s = one_token(math.log(2.0), -2.0)           # ρ < c: the PPO term stands
+    assert math.isclose(loss, 4.0, rel_tol=1e-6) and s["actor/pg_clipfrac_dual"] == 0.0
+
+
+def test_k3_kl_closed_form():
+    d = 0.3
+    loss, grad, s = one_token(0.0, 0.0, ref_diff=d)
+    kl = math.exp(d) - d - 1
+    assert math.isclose(s["actor/kl_loss"], kl, rel_tol=1e-6)
+    assert math.isclose(loss, 0.1 * kl, rel_tol=1e-6)
+    assert math.isclose(grad, 0.1 * (1 - math.exp(d)), rel_tol=1e-5)   # d/dlogp of e^{r−l} − (r−l) − 1
+    assert one_token(0.0, 0.0, ref_diff=0.0)[2]["actor/kl_loss"] == 0.0
+
+
+def test_token_mean_invariant_to_split():
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    logp = torch.randn(B, T, generator=g) * 0.1 - 1
+    old = logp + torch.randn(B, T, generator=g) * 0.3
+    ref = logp + torch.randn(B, T, generator=g) * 0.3
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    w = mask / mask.sum()
+    whole, _ = grpo_token_loss(logp, old, ref, adv, w, C)
+    parts = sum(grpo_token_loss(logp[s], old[s], ref[s], adv[s], w[s], C)[0]
+                for s in (slice(0, 1), slice(1, 4), slice(4, 6)))
+    torch.testing.assert_close(whole, parts)
+    per_token = whole * mask.sum()
+    assert not torch.isclose(per_token / B, whole)        # a per-sequence mean would differ
+
+
+def test_group_advantages_closed_form():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 4)
+    std = torch.tensor([1.0, 0, 0, 0]).std()
+    torch.testing.assert_close(adv[:4], (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (std + 1e-6))
+    assert torch.equal(adv[4:], torch.zeros(4))           # no signal in a solved group
+
+
+def test_token_logprobs_temperature():
+    logits = torch.randn(2, 3, 5)
+    tgt = torch.randint(5, (2, 3))
+    lp, ent = token_logprobs(logits, tgt, temperature=0.5)
+    ref = torch.log_softmax(logits / 0.5, -1).gather(-1, tgt[..., None])[..., 0]
+    torch.testing.assert_close(lp, ref)
+    assert (ent >= 0).all()
