@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -85,7 +86,12 @@ class TrainConfig:
 
 @dataclass
 class CodecConfig:
-    name: str = "dense"             # boundary codec; "dense" is the byte-matched control
+    name: str = "dense"             # dense (the byte-matched control) | prf | lowrank
+    keep_ratio: float = 0.05        # k = round(keep_ratio · d): 77 of 1536
+    keep: int = 0                   # explicit k (overrides keep_ratio when > 0)
+    boundaries: Any = "all"         # "all" cuts, or a list of cut layers (decoder index the cut follows)
+    payload_dtype: str = "fp32"     # fp32 | bf16 on the wire
+    seed: int = 0                   # the PRF key's seed
 
 
 @dataclass
@@ -104,7 +110,7 @@ class TwoCircuitConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-CODECS = ("dense",)
+CODECS = ("dense", "prf", "lowrank")
 
 
 @dataclass
@@ -171,8 +177,7 @@ def validate(run: RunConfig) -> None:
     if run.world_size % len(split):
         raise ConfigError(f"model.layers_per_stage has {len(split)} stages but the world size is "
                           f"{run.world_size} (it must be a multiple: stages x data-parallel replicas)")
-    if tc.codec.name not in CODECS:
-        raise ConfigError(f"codec.name='{tc.codec.name}': expected one of {list(CODECS)}")
+    _check_codec(tc.codec, split, model_hidden_size(tc.model))
     _check_batches(run)
     g = tc.grpo
     if g.group_size < 2:
@@ -184,6 +189,25 @@ def validate(run: RunConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(tc.train, key)}: must be >= 1")
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
+
+
+def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
+    if c.name not in CODECS:
+        raise ConfigError(f"codec.name='{c.name}': expected one of {list(CODECS)}")
+    k = c.keep if c.keep > 0 else round(c.keep_ratio * d)
+    if not 1 <= k <= d:
+        raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
+    if c.payload_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected fp32 or bf16")
+    cuts = [sum(split[:i + 1]) - 1 for i in range(len(split) - 1)]
+    chosen = cuts if c.boundaries == "all" else c.boundaries
+    if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
+        raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
+
+
+def codec_cuts(c: CodecConfig, split: list[int]) -> list[int]:
+    cuts = [sum(split[:i + 1]) - 1 for i in range(len(split) - 1)]
+    return cuts if c.boundaries == "all" else list(c.boundaries)
 
 
 def _check_batches(run: RunConfig) -> None:
@@ -213,8 +237,14 @@ def _check_batches(run: RunConfig) -> None:
 
 def model_num_layers(model: ModelConfig) -> int:
     """Decoder layer count, read from config.json without importing transformers."""
-    if not model.path:
-        return model.tiny.num_layers
+    return model.tiny.num_layers if not model.path else _hf_config_value(model, "num_hidden_layers")
+
+
+def model_hidden_size(model: ModelConfig) -> int:
+    return model.tiny.hidden_size if not model.path else _hf_config_value(model, "hidden_size")
+
+
+def _hf_config_value(model: ModelConfig, key: str) -> int:
     cfg_file = pathlib.Path(model.path) / "config.json"
     if not cfg_file.is_file():
         try:  # a hub name already in the local cache
@@ -223,7 +253,7 @@ def model_num_layers(model: ModelConfig) -> int:
         except Exception as e:
             raise ConfigError(f"model.path='{model.path}': no config.json there or in the HF cache ({e})") from None
     cfg = json.loads(cfg_file.read_text())
-    return cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"]
+    return cfg.get(key) or cfg["text_config"][key]
 
 
 def check_deepspeed_keys(ds: dict) -> None:

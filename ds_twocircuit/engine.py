@@ -11,9 +11,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from .codec.boundary import DTYPES, CodecState, keep_count, top_basis
+from .config import codec_cuts
 from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
 from .grpo.rollouts import Rollout
-from .model.pipe import Embed, TwoCircuitPipe
+from .model.pipe import Embed, TwoCircuitPipe, load_hf_config
 
 
 class PipeLoss:
@@ -63,11 +65,18 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
+def build_codec(tc, hidden_size: int) -> CodecState:
+    c = tc.codec
+    return CodecState(name=c.name, d=hidden_size, k=keep_count(c.keep_ratio, c.keep, hidden_size), seed=c.seed,
+                      cuts=frozenset(codec_cuts(c, tc.model.layers_per_stage)), payload_dtype=DTYPES[c.payload_dtype])
+
+
 def build_engine(model_dir: str, tc, ds_config: dict):
     """→ (engine, pipe, loss). Clipping is taken out of DeepSpeed's hands in plain fp32 (see `TrueNormClip`)."""
     loss = PipeLoss(LossCoefs(tc.grpo.clip_low, tc.grpo.clip_high, tc.grpo.clip_ratio_c, tc.grpo.kl_coef),
                     tc.grpo.temperature)
-    pipe = TwoCircuitPipe(model_dir, tc.model.layers_per_stage, loss, tc.model.attn_implementation)
+    codec = build_codec(tc, load_hf_config(model_dir, tc.model.attn_implementation).hidden_size)
+    pipe = TwoCircuitPipe(model_dir, tc.model.layers_per_stage, loss, tc.model.attn_implementation, codec=codec)
     ds = copy.deepcopy(ds_config)
     clip = ds.get("gradient_clipping", 1.0)   # DeepSpeed's default is 1.0
     own_clip = not (ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
@@ -170,3 +179,63 @@ def gather_stage_weights(engine, pipe: TwoCircuitPipe, shapes: dict | None):
         nbytes += flat.numel() * flat.element_size()
         out += [(n, t.view(shapes[n][0])) for n, t in zip(names[s], flat.split(numel))]
     return out, nbytes
+
+
+class WireCounter:
+    """Bytes handed to DeepSpeed's p2p layer by this rank, split by direction (next stage = forward).
+
+    Counts everything the pipeline sends: payloads, gradients, side tensors and shape metadata. The
+    engine calls `p2p.send` through the module, so wrapping the module function sees every send."""
+
+    def __init__(self, stage_id: int):
+        from deepspeed.runtime.pipe import p2p
+        self.stage_id, self.fwd, self.bwd = stage_id, 0, 0
+        inner = getattr(p2p.send, "__wrapped__", p2p.send)
+
+        def send(tensor, dest_stage, async_op=False):
+            n = tensor.numel() * tensor.element_size()
+            if dest_stage > self.stage_id:
+                self.fwd += n
+            else:
+                self.bwd += n
+            return inner(tensor, dest_stage, async_op=async_op)
+
+        send.__wrapped__ = inner
+        p2p.send = send
+
+    def take(self) -> tuple[int, int]:
+        out = (self.fwd, self.bwd)
+        self.fwd = self.bwd = 0
+        return out
+
+
+def calibrate_bases(engine, pipe: TwoCircuitPipe, run_pass) -> int:
+    """Lowrank initial bases from the base model's activations: run `run_pass()` (a dense forward of a
+    calibration batch) recording every cut's input; the sending stage computes Q by SVD and sends it
+    to the receiving stage, so both ends hold the same Q. → bytes sent."""
+    codec = pipe.codec
+    codec.recording, enabled = {}, codec.enabled
+    codec.enabled = False
+    run_pass()
+    codec.enabled = enabled
+    recorded, codec.recording = codec.recording, None
+    dp, sent = engine.grid.get_data_parallel_rank(), 0
+    for b, layer in enumerate(pipe_cut_layers(pipe)):
+        if layer not in codec.cuts:
+            continue
+        if pipe.stage_id == b:
+            q = top_basis(torch.cat(recorded[layer]), codec.k)
+            dist.send(q, dst=engine.grid.stage_to_global(stage_id=b + 1, data=dp))
+            sent += q.numel() * q.element_size()
+        elif pipe.stage_id == b + 1:
+            q = torch.empty(codec.d, codec.k)
+            dist.recv(q, src=engine.grid.stage_to_global(stage_id=b, data=dp))
+        else:
+            continue
+        codec.bases[layer] = q
+    return sent
+
+
+def pipe_cut_layers(pipe: TwoCircuitPipe) -> list[int]:
+    from .codec.boundary import cut_layers
+    return cut_layers(pipe.layers_per_stage)

@@ -40,6 +40,11 @@ class Trainer:
         self.last_stage = self.pipe.stage_id == self.pipe.num_stages - 1
         self.task = build_task(self.tc.data)
         self.micro = run.ds["train_micro_batch_size_per_gpu"]
+        self.codec = self.pipe.codec
+        self.wire = eng.WireCounter(self.pipe.stage_id)
+        if self.codec.name == "lowrank":
+            eng.calibrate_bases(self.engine, self.pipe, lambda: self.logprobs(self.calibration_batch()))
+        self.wire.take()
         self.start = self._load_checkpoint() if resume else 0
         if self.rank0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,11 +128,14 @@ class Trainer:
 
     # ---- training ---------------------------------------------------------------------------
     def update(self, t: int, minibatches: list[tuple[Rollout, float]]) -> dict:
+        """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t."""
         g = self.tc.grpo
+        self.codec.step = t
         on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in minibatches]
         refs = [self.logprobs(mb, self.base) for mb, _ in minibatches] if g.kl_coef > 0 else zeros
         olds = zeros if on_policy else [self.logprobs(mb) for mb, _ in minibatches]
+        eval_payload = self.codec.take_counters()
         self.loss.reset()
         self.loss.mode, self.loss.old_is_current = "train", on_policy
         self.loss.scale = self.engine.gradient_accumulation_steps() * self.run_cfg.dp
@@ -139,7 +147,7 @@ class Trainer:
                 norms.append(self.engine.true_norm_clip.norm())
         if on_policy:
             olds = [torch.cat(self.loss.logps)] if self.last_stage else olds
-        return self.reduce_metrics(minibatches, olds, norms)
+        return self.reduce_metrics(minibatches, olds, norms, eval_payload)
 
     def logprobs(self, mb: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """log π(target) of every sequence through the pipeline (current or given weights), last stage."""
@@ -156,7 +164,7 @@ class Trainer:
         self.loss.mode = "train"
         return torch.cat(self.loss.logps) if self.last_stage else z
 
-    def reduce_metrics(self, minibatches, olds, norms) -> dict:
+    def reduce_metrics(self, minibatches, olds, norms, eval_payload) -> dict:
         """Sum the last stages' token-mean sums over the world, finish the means on rank 0."""
         g = self.tc.grpo
         n_updates = g.ppo_mini_batches * g.ppo_epochs
@@ -167,16 +175,52 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
         keys = sorted(KEYS)
         vec = torch.tensor([float(sums.get(k, 0.0)) if self.last_stage else 0.0 for k in keys], dtype=torch.float64)
-        vec = torch.cat([vec, self.weight_movement()])
+        S = self.pipe.num_stages
+        vec = torch.cat([vec, self.weight_movement(), self.wire_vector(eval_payload)])
         dist.all_reduce(vec)
         out = dict(zip(keys, vec[:len(keys)].tolist()))
         out = finish_mismatch(out)
-        out.update(self.movement_metrics(vec[len(keys):]))
+        out.update(self.movement_metrics(vec[len(keys):len(keys) + 4 * S]))
+        out.update(self.wire_metrics(vec[len(keys) + 4 * S:]))
         rewards = torch.cat([mb.rewards_N for mb, _ in minibatches])
         lengths = torch.cat([mb.resp_NT1.sum(1) for mb, _ in minibatches])
         out.update({"critic/score/mean": float(rewards.mean()), "response_length/mean": float(lengths.mean()),
                     "actor/grad_norm": float(np.mean(norms)), "actor/lr": self.engine.get_lr()[0]})
         return out
+
+    def wire_vector(self, eval_payload: tuple[int, int]) -> torch.Tensor:
+        """Per stage: [p2p bytes fwd, p2p bytes bwd, payload, dense-equivalent payload (all passes),
+        the same two for the update passes only] at this stage's slot."""
+        v = torch.zeros(self.pipe.num_stages, 6, dtype=torch.float64)
+        train_payload = self.codec.take_counters()
+        v[self.pipe.stage_id] = torch.tensor([*self.wire.take(), eval_payload[0] + train_payload[0],
+                                              eval_payload[1] + train_payload[1], *train_payload], dtype=torch.float64)
+        return v.view(-1)
+
+    def wire_metrics(self, v: torch.Tensor) -> dict:
+        """Wire bytes per direction, and what a dense pipeline would have sent: the same sends with
+        each compressed payload (and its gradient) at its dense size."""
+        v = v.view(-1, 6)
+        fwd, bwd, pay, dense_pay, pay_train, dense_train = v.sum(0).tolist()
+        out = {"codec/bytes_fwd": fwd, "codec/bytes_bwd": bwd, "codec/dense_equiv_bytes": fwd - pay + dense_pay,
+               "codec/dense_equiv_bytes_bwd": bwd - pay_train + dense_train}
+        for b in range(self.pipe.num_stages - 1):
+            out[f"codec/boundary{b}/bytes_fwd"] = float(v[b, 0])
+            out[f"codec/boundary{b}/bytes_bwd"] = float(v[b + 1, 1])
+        return out
+
+    def calibration_batch(self) -> Rollout:
+        """Teacher-forced training rows (prompt + answer), the same on every rank: lowrank's initial bases."""
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(self.model_dir)
+        tok.padding_side = "left"
+        n = self.micro * max(1, 64 // self.micro)
+        rows = self.task.train.select(range(n))
+        enc = tok([self.task.prompt(p) + a for p, a in zip(rows["problem"], rows["answer"])], return_tensors="pt",
+                  padding=True, add_special_tokens=False)
+        ids, attn = enc["input_ids"], enc["attention_mask"]
+        z = torch.zeros(n, ids.shape[1] - 1)
+        return Rollout(ids, attn, z, z, torch.zeros(n), torch.zeros(n), torch.arange(n))
 
     def weight_movement(self) -> torch.Tensor:
         """Per stage: [Σ(θ−θ0)², Σθ0², Σθ·θ0, Σθ²] at this stage's slot (data-parallel rank 0 only)."""

@@ -55,3 +55,11 @@ def stages(n_stages: int, n_layers: int = 8) -> str:
     base, extra = divmod(n_layers, n_stages)
     split = [base + (1 if i < extra else 0) for i in range(n_stages)]
     return "model.layers_per_stage=[" + ",".join(map(str, split)) + "]"
+
+
+@pytest.fixture(scope="session")
+def eight(tiny_model, tmp_path_factory):
+    """The reference run: 8 stages, dense, 4 GRPO steps of the tiny config."""
+    d = tmp_path_factory.mktemp("eight")
+    launch(8, d)
+    return d

@@ -23,13 +23,6 @@ pytestmark = pytest.mark.dist
 NONTIMING = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/")}
 
 
-@pytest.fixture(scope="module")
-def eight(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("eight")
-    launch(8, d)
-    return d
-
-
 def weights(run_dir):
     out = {}
     for f in sorted((run_dir / "model").glob("*.safetensors")):

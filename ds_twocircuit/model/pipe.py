@@ -4,12 +4,14 @@ Layer items, in order: `Embed` (stage 0) · one `Decoder` per HF decoder layer �
 LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
 the last two on the last stage. `layers_per_stage` assigns decoder layers to stages.
 
-What crosses a stage boundary is the tuple `(h_BTD float, attn_BT int64, sample_id_B int64)`: the
-hidden state is the only float (DeepSpeed sends a gradient back for every float it receives),
-floats first (its receive buffers are matched by position). Rotary positions and the 4-D causal +
-padding mask are rebuilt on every stage from `attn_BT`: position = (cumsum(attn) − 1) clamped at 0,
-the same rule HF `generate` uses for left-padded prompts. `sample_id_B` is the stable id of each
-sequence in the step's batch (the boundary codec keys its masks with it).
+What crosses a stage boundary is the tuple `(h float, span_B2 int64, sample_id_B int64)`: the
+hidden state (or its encoding, see codec/boundary.py) is the only float (DeepSpeed sends a gradient
+back for every float it receives), floats first (its receive buffers are matched by position). A
+sequence's real tokens are contiguous (left-padded prompt, right-padded response), so `span_B2`
+= [first, last+1) replaces the (B, T) attention mask on the wire: 16 bytes per sequence. Rotary
+positions and the 4-D causal + padding mask are rebuilt on every stage from it: position =
+(cumsum(attn) − 1) clamped at 0, the rule HF `generate` uses for left-padded prompts. `sample_id_B`
+is the stable id of each sequence in the step's batch (the PRF codec keys its masks with it).
 
 Each layer item is built on the meta device and materialised from the checkpoint's safetensors
 files, so a rank only ever holds its own stage. The model knows nothing of pipelining; these
@@ -23,6 +25,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
+from ..codec.boundary import CodecState, cut_layers
 from .weights import SafetensorsReader, load_module_from
 
 
@@ -37,6 +40,23 @@ def positions_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
     return (attn_BT.cumsum(-1) - 1).clamp(min=0)
 
 
+def span_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 mask with contiguous ones → (B, 2) [first, last+1); raises if not contiguous."""
+    T = attn_BT.shape[1]
+    t = torch.arange(T)
+    start = torch.where(attn_BT.bool(), t, T).min(1).values
+    end = torch.where(attn_BT.bool(), t + 1, 0).max(1).values
+    span = torch.stack([start, end], 1)
+    if not torch.equal(mask_from_span(span, T), attn_BT.long()):
+        raise ValueError("attention mask must be contiguous per row (left-padded prompt, right-padded response)")
+    return span
+
+
+def mask_from_span(span_B2: torch.Tensor, T: int) -> torch.Tensor:
+    t = torch.arange(T, device=span_B2.device)
+    return ((t >= span_B2[:, :1]) & (t < span_B2[:, 1:])).long()
+
+
 class Embed(torch.nn.Module):
     def __init__(self, config, reader):
         super().__init__()
@@ -46,7 +66,7 @@ class Embed(torch.nn.Module):
 
     def forward(self, inputs):
         ids_BT, attn_BT, sid_B = inputs
-        return self.embed_tokens(ids_BT), attn_BT, sid_B
+        return self.embed_tokens(ids_BT), span_from_mask(attn_BT), sid_B
 
     def hf_parameters(self):
         return {"model.embed_tokens.weight": self.embed_tokens.weight}
@@ -57,23 +77,31 @@ def tied_head(embed: Embed, h_BTD: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(torch.nn.Module):
-    def __init__(self, config, layer_idx: int, reader):
+    """One HF decoder layer; decodes its input if a cut sits before it, encodes its output if after."""
+
+    def __init__(self, config, layer_idx: int, reader, codec: CodecState, decode_in: bool, encode_out: bool):
         super().__init__()
         layer_cls, _, rotary_cls = hf_module_classes(config)
         self.config, self.layer_idx = config, layer_idx
+        self.codec, self.decode_in, self.encode_out = codec, decode_in, encode_out
         with torch.device("meta"):
             self.layer = layer_cls(config, layer_idx)
         load_module_from(self.layer, reader, f"model.layers.{layer_idx}.")
         self.rotary = rotary_cls(config=config)   # non-persistent buffers only
 
     def forward(self, inputs):
-        h_BTD, attn_BT, sid_B = inputs
+        h, span_B2, sid_B = inputs
+        attn_BT = mask_from_span(span_B2, h.shape[1])
         pos_BT = positions_from_mask(attn_BT)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h_BTD, attention_mask=attn_BT, cache=None,
+        if self.decode_in:
+            h = self.codec.decode(h, pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attn_BT, cache=None,
                                   position_ids=pos_BT)
-        cos_sin = self.rotary(h_BTD, pos_BT)
-        h_BTD = self.layer(h_BTD, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
-        return h_BTD, attn_BT, sid_B
+        cos_sin = self.rotary(h, pos_BT)
+        h = self.layer(h, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
+        if self.encode_out:
+            h = self.codec.encode(h, pos_BT, sid_B, self.layer_idx)
+        return h, span_B2, sid_B
 
     def hf_parameters(self):
         return {f"model.layers.{self.layer_idx}.{n}": p for n, p in self.layer.named_parameters()}
@@ -115,10 +143,12 @@ def load_hf_config(model_dir: str, attn_implementation: str):
     return config
 
 
-def layer_specs(config, reader) -> list:
+def layer_specs(config, reader, codec: CodecState, layers_per_stage: list[int]) -> list:
+    cuts = set(cut_layers(layers_per_stage))
     specs = [TiedLayerSpec("embed", Embed, config, reader, tied_weight_attr=["embed_tokens.weight"])
              if config.tie_word_embeddings else LayerSpec(Embed, config, reader)]
-    specs += [LayerSpec(Decoder, config, i, reader) for i in range(config.num_hidden_layers)]
+    specs += [LayerSpec(Decoder, config, i, reader, codec, i - 1 in cuts, i in cuts)
+              for i in range(config.num_hidden_layers)]
     specs.append(LayerSpec(FinalNorm, config, reader))
     specs.append(TiedLayerSpec("embed", Embed, config, reader, forward_fn=tied_head,
                                tied_weight_attr=["embed_tokens.weight"])
@@ -139,11 +169,13 @@ def explicit_parts(layers_per_stage: list[int]) -> list[int]:
 class TwoCircuitPipe(PipelineModule):
     """`PipelineModule` with the split given explicitly as decoder layers per stage."""
 
-    def __init__(self, model_dir: str, layers_per_stage: list[int], loss_fn, attn_implementation="sdpa", **kw):
+    def __init__(self, model_dir: str, layers_per_stage: list[int], loss_fn, attn_implementation="sdpa",
+                 codec: CodecState | None = None, **kw):
         self.config = load_hf_config(model_dir, attn_implementation)
         self.model_dir = str(model_dir)
         self.layers_per_stage = list(layers_per_stage)
-        super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir)),
+        self.codec = codec or CodecState()
+        super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir), self.codec, self.layers_per_stage),
                          num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform",
                          dynamic_shape=True, **kw)
 

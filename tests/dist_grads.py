@@ -1,0 +1,87 @@
+"""Launched by test_codec_dist.py under `deepspeed --num_gpus N`: gradients of a compressed pipeline.
+
+One train_batch of two micro-batches through the PRF (or keep-all) codec on every cut, with a fixed
+linear loss on the logits; each stage writes the gradients its optimizer receives, under HF names,
+to OUT/grads_stage{s}.safetensors. `reference_grads` computes the same in one process with plain
+autograd through the same layer modules and the same codec state.
+"""
+import json
+import sys
+
+import torch
+
+from ds_twocircuit.codec.boundary import CodecState, cut_layers
+from ds_twocircuit.model.pipe import Embed, TwoCircuitPipe, layer_specs, load_hf_config, tied_head
+from ds_twocircuit.model.weights import SafetensorsReader
+
+
+def make_codec(d: int, k: int, split: list[int]) -> CodecState:
+    return CodecState(name="prf", d=d, k=k, seed=5, cuts=frozenset(cut_layers(split)), step=3)
+
+
+def micro_batches(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for m in range(2):
+        ids = torch.randint(3, vocab, (2, 6), generator=g)
+        attn = torch.ones(2, 6, dtype=torch.long)
+        attn[1, :2] = 0
+        r = torch.randn(2, 6, vocab, generator=g)
+        out.append(((ids, attn, torch.tensor([2 * m, 2 * m + 1])), r))
+    return out
+
+
+def linear_loss(logits, r):
+    return (logits * r).sum()
+
+
+def reference_grads(model_dir: str, split: list[int], k: int) -> dict[str, torch.Tensor]:
+    config = load_hf_config(model_dir, "sdpa")
+    codec = make_codec(config.hidden_size, k, split)
+    specs = layer_specs(config, SafetensorsReader(model_dir), codec, split)
+    mods, embed = [], None
+    for s in specs:
+        if getattr(s, "key", None) == "embed":
+            if embed is None:
+                embed = s.build()
+                mods.append(embed)
+            else:
+                mods.append(lambda h, e=embed: tied_head(e, h))
+        else:
+            mods.append(s.build())
+    total = 0.0
+    for inputs, r in micro_batches(config.vocab_size):
+        x = inputs
+        for m in mods:
+            x = m(x)
+        total = total + linear_loss(x, r) / 2          # DeepSpeed divides by accumulation steps
+    total.backward()
+    out = {}
+    for m in mods:
+        if hasattr(m, "hf_parameters"):
+            out.update({n: p.grad.clone() for n, p in m.hf_parameters().items()})
+    return out
+
+
+def main(model_dir, split_json, k, out_dir):
+    import deepspeed
+    from safetensors.torch import save_file
+
+    from ds_twocircuit.engine import init_distributed
+    init_distributed()
+    split = json.loads(split_json)
+    config = load_hf_config(model_dir, "sdpa")
+    pipe = TwoCircuitPipe(model_dir, split, linear_loss, codec=make_codec(config.hidden_size, int(k), split))
+    engine, *_ = deepspeed.initialize(
+        model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0),
+        config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+                "steps_per_print": 10**6})
+    grads = {}
+    engine.optimizer.register_step_pre_hook(
+        lambda *_: grads.update({n: p.grad.clone() for n, p in pipe.hf_parameters().items()}))
+    engine.train_batch(iter(micro_batches(config.vocab_size)))
+    save_file(grads, f"{out_dir}/grads_stage{pipe.stage_id}.safetensors")
+
+
+if __name__ == "__main__":
+    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])

@@ -1,0 +1,158 @@
+"""The PRF wire protocol and the boundary codec (single process)."""
+import torch
+
+from ds_twocircuit.codec import prf
+from ds_twocircuit.codec.boundary import CodecState, cut_layers, top_basis
+
+
+def codec(d=64, k=8, step=0, name="prf"):
+    return CodecState(name=name, d=d, k=k, seed=5, cuts=frozenset({3}), step=step)
+
+
+def test_exactly_k_distinct_sorted_in_range():
+    for d, k in [(1536, 77), (64, 3), (64, 64), (100, 1), (7, 5), (2, 2)]:
+        keys = prf.token_keys(1, 2, 3, torch.arange(50)[:, None], torch.arange(40)[None])
+        idx = prf.kept_channels(keys, d, k)
+        assert idx.shape == (50, 40, k)
+        assert (idx[..., 1:] > idx[..., :-1]).all() and idx.min() >= 0 and idx.max() < d
+        if k == d:
+            assert torch.equal(idx, torch.arange(d).expand_as(idx))
+
+
+def feistel_reference(j: int, key: int, d: int) -> int:
+    """π_key(j) by the protocol's text, in plain Python integers."""
+    bits = max(2, (d - 1).bit_length())
+    rks = [lowbias32_reference(key ^ ((i + 1) * 0x9E3779B9 & 0xFFFFFFFF)) for i in range(4)]
+    while True:
+        wl, wr = bits // 2, bits - bits // 2
+        left, right = j >> wr, j & ((1 << wr) - 1)
+        for rk in rks:
+            left, right = right, left ^ (lowbias32_reference(right ^ rk) & ((1 << wl) - 1))
+            wl, wr = wr, wl
+        j = (left << wr) | right
+        if j < d:
+            return j
+
+
+def test_kept_set_matches_the_protocol_text():
+    keys = prf.token_keys(9, 1, 2, torch.arange(5), torch.arange(5))
+    for d, k in [(1536, 77), (64, 3), (100, 10)]:
+        got = prf.kept_channels(keys, d, k).tolist()
+        want = [sorted(feistel_reference(j, int(h), d) for j in range(k)) for h in keys]
+        assert got == want
+
+
+def test_golden_vectors():
+    """Protocol v1, pinned: any change here breaks compatibility between the two ends of a link."""
+    keys = prf.token_keys(0, 3, 7, torch.tensor([0, 1, 2]), torch.tensor([0, 5, 1023]))
+    assert keys.tolist() == GOLDEN_KEYS
+    assert prf.kept_channels(keys, 1536, 77)[:, :8].tolist() == GOLDEN_1536
+    assert prf.kept_channels(keys, 64, 3).tolist() == GOLDEN_64
+    assert prf.mix32(torch.tensor([0, 1, 0xFFFFFFFF])).tolist() == GOLDEN_MIX
+
+
+GOLDEN_MIX = [0, 2261973619, 2578835075]
+GOLDEN_KEYS = [729569723, 2153235840, 3025258840]
+GOLDEN_1536 = [[19, 21, 34, 68, 84, 90, 102, 108], [0, 2, 26, 39, 50, 91, 130, 176], [2, 3, 12, 13, 32, 41, 52, 53]]
+GOLDEN_64 = [[3, 31, 32], [5, 15, 19], [17, 32, 41]]
+
+
+def lowbias32_reference(x: int) -> int:
+    """The protocol's mix in plain Python integers (what another implementation would write)."""
+    M = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & M
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & M
+    return x ^ (x >> 15)
+
+
+def test_mix32_matches_plain_integer_arithmetic():
+    xs = torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    assert prf.mix32(xs).tolist() == [lowbias32_reference(int(x)) for x in xs]
+
+
+def test_independent_of_batch_layout():
+    sid = torch.tensor([4, 9, 2])
+    pos = torch.arange(6).expand(3, 6)
+    whole = prf.kept_for(0, 5, 11, sid, pos, 64, 6)
+    for i in range(3):
+        alone = prf.kept_for(0, 5, 11, sid[i:i + 1], pos[i:i + 1], 64, 6)
+        assert torch.equal(alone[0], whole[i])
+    shifted = prf.kept_for(0, 5, 11, sid, pos + 0, 64, 6)   # a second call: deterministic
+    assert torch.equal(shifted, whole)
+
+
+def test_masks_fresh_per_step_and_layer():
+    sid, pos = torch.arange(8), torch.arange(16).expand(8, 16)
+    a = prf.kept_for(0, 3, 1, sid, pos, 64, 8)
+    assert torch.equal(a, prf.kept_for(0, 3, 1, sid, pos, 64, 8))
+    assert (a != prf.kept_for(0, 3, 2, sid, pos, 64, 8)).any(-1).float().mean() > 0.95
+    assert (a != prf.kept_for(0, 7, 1, sid, pos, 64, 8)).any(-1).float().mean() > 0.95
+
+
+def test_channel_frequency_is_uniform():
+    keys = prf.token_keys(1, 2, 3, torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    counts = torch.bincount(prf.kept_channels(keys, 64, 3).flatten(), minlength=64).float()
+    expect = 20000 * 3 / 64
+    assert ((counts - expect).abs() < 5 * (expect * (1 - 3 / 64)) ** 0.5).all()
+
+
+def test_unbiased_over_steps():
+    x = torch.randn(2, 3, 64)
+    pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
+    acc = torch.zeros_like(x)
+    n = 3000
+    for step in range(n):
+        c = codec(k=8, step=step)
+        acc += c.decode(c.encode(x, pos, sid, 3), pos, sid, 3, torch.float32)
+    err = (acc / n - x).abs().max()
+    assert err < 0.25, err           # per-coordinate SE ≈ |x|·sqrt((d/k−1)/n) ≈ 0.05·|x|
+    c = codec(k=8)
+    y = c.encode(x, pos, sid, 3)
+    assert y.shape == (2, 3, 8)
+    assert c.take_counters() == (2 * 3 * 8 * 4, 2 * 3 * 64 * 4)
+
+
+def test_keep_all_is_bitwise_dense():
+    x = torch.randn(2, 5, 64)
+    pos, sid = torch.arange(5).expand(2, 5), torch.arange(2)
+    c = codec(k=64)
+    assert torch.equal(c.decode(c.encode(x, pos, sid, 3), pos, sid, 3, torch.float32), x)
+
+
+def test_gradient_is_the_same_k_coordinates():
+    x = torch.randn(2, 4, 64, requires_grad=True)
+    pos, sid = torch.arange(4).expand(2, 4), torch.arange(2)
+    c = codec(k=8)
+    y = c.encode(x, pos, sid, 3).detach().requires_grad_()
+    g_out = torch.randn(2, 4, 64)
+    (c.decode(y, pos, sid, 3, torch.float32) * g_out).sum().backward()
+    idx = prf.kept_for(5, 3, 0, sid, pos, 64, 8)
+    torch.testing.assert_close(y.grad, g_out.gather(-1, idx) * 8.0)
+
+
+def test_bf16_payload():
+    x = torch.randn(2, 3, 64)
+    pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
+    c = CodecState(name="prf", d=64, k=8, cuts=frozenset({3}), payload_dtype=torch.bfloat16)
+    y = c.encode(x, pos, sid, 3)
+    assert y.dtype == torch.bfloat16 and c.take_counters()[0] == 2 * 3 * 8 * 2
+
+
+def test_lowrank_projector():
+    x = torch.randn(500, 64) @ torch.randn(64, 64) * 0.1
+    q = top_basis(x, 8)
+    torch.testing.assert_close(q.T @ q, torch.eye(8), atol=1e-5, rtol=0)
+    c = CodecState(name="lowrank", d=64, k=8, cuts=frozenset({3}), bases={3: q})
+    xb = x[:6].view(2, 3, 64)
+    pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
+    out = c.decode(c.encode(xb, pos, sid, 3), pos, sid, 3, torch.float32)
+    torch.testing.assert_close(out, xb @ q @ q.T)
+    assert c.encode(xb, pos, sid, 4) is xb          # not a compressed cut
+    c.enabled = False
+    assert c.encode(xb, pos, sid, 3) is xb          # the codec-off switch
+
+
+def test_cut_layers():
+    assert cut_layers([4, 4, 4, 4, 3, 3, 3, 3]) == [3, 7, 11, 15, 18, 21, 24]
