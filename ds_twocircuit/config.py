@@ -199,13 +199,14 @@ def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
         raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
     if c.payload_dtype not in ("fp32", "bf16"):
         raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected fp32 or bf16")
-    cuts = [sum(split[:i + 1]) - 1 for i in range(len(split) - 1)]
+    cuts = codec_cuts(CodecConfig(), split)
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
         raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
 
 
 def codec_cuts(c: CodecConfig, split: list[int]) -> list[int]:
+    """Compressed cuts as decoder-layer indices (the cut after stage s sits after its last layer)."""
     cuts = [sum(split[:i + 1]) - 1 for i in range(len(split) - 1)]
     return cuts if c.boundaries == "all" else list(c.boundaries)
 

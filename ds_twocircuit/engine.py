@@ -11,7 +11,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from .codec.boundary import DTYPES, CodecState, keep_count, top_basis
+from .codec.boundary import DTYPES, CodecState, cut_layers, keep_count, top_basis
 from .config import codec_cuts
 from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
 from .grpo.rollouts import Rollout
@@ -220,7 +220,7 @@ def calibrate_bases(engine, pipe: TwoCircuitPipe, run_pass) -> int:
     codec.enabled = enabled
     recorded, codec.recording = codec.recording, None
     dp, sent = engine.grid.get_data_parallel_rank(), 0
-    for b, layer in enumerate(pipe_cut_layers(pipe)):
+    for b, layer in enumerate(cut_layers(pipe.layers_per_stage)):
         if layer not in codec.cuts:
             continue
         if pipe.stage_id == b:
@@ -232,10 +232,5 @@ def calibrate_bases(engine, pipe: TwoCircuitPipe, run_pass) -> int:
             dist.recv(q, src=engine.grid.stage_to_global(stage_id=b, data=dp))
         else:
             continue
-        codec.bases[layer] = q
+        codec.set_basis(layer, q)
     return sent
-
-
-def pipe_cut_layers(pipe: TwoCircuitPipe) -> list[int]:
-    from .codec.boundary import cut_layers
-    return cut_layers(pipe.layers_per_stage)

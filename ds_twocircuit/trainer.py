@@ -42,7 +42,9 @@ class Trainer:
         self.micro = run.ds["train_micro_batch_size_per_gpu"]
         self.codec = self.pipe.codec
         self.wire = eng.WireCounter(self.pipe.stage_id)
+        self.wire_shape = None
         if self.codec.name == "lowrank":
+            self.reset_shape_if_changed(-1)
             eng.calibrate_bases(self.engine, self.pipe, lambda: self.logprobs(self.calibration_batch()))
         self.wire.take()
         self.start = self._load_checkpoint() if resume else 0
@@ -131,6 +133,7 @@ class Trainer:
         """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t."""
         g = self.tc.grpo
         self.codec.step = t
+        self.reset_shape_if_changed(minibatches[0][0].ids_NT.shape[1])
         on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in minibatches]
         refs = [self.logprobs(mb, self.base) for mb, _ in minibatches] if g.kl_coef > 0 else zeros
@@ -148,6 +151,13 @@ class Trainer:
         if on_policy:
             olds = [torch.cat(self.loss.logps)] if self.last_stage else olds
         return self.reduce_metrics(minibatches, olds, norms, eval_payload)
+
+    def reset_shape_if_changed(self, seq_len: int) -> None:
+        """DeepSpeed sizes its receive buffers from the first send (about 1 KB of shape metadata per
+        cut) and reuses them; a step whose padded length differs must reset them on every rank."""
+        if seq_len != self.wire_shape:
+            self.engine.reset_activation_shape()
+            self.wire_shape = seq_len
 
     def logprobs(self, mb: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """log π(target) of every sequence through the pipeline (current or given weights), last stage."""

@@ -1,6 +1,7 @@
 """Launched by test_pipeline.py under `deepspeed --num_gpus N`: pipeline logits vs the HF model.
 
-Two micro-batches of different lengths (dynamic shapes), with left- and right-padded rows. The
+Two batches of different lengths (the activation shape is reset between them, as the trainer does
+between steps), with left- and right-padded rows. The
 last stage compares against `AutoModelForCausalLM` on the same ids, mask and positions and writes
 the largest absolute difference over real tokens to OUT.
 """
@@ -36,8 +37,9 @@ def main(model_dir, split, out):
     pipe = TwoCircuitPipe(model_dir, json.loads(split), record)
     engine, *_ = deepspeed.initialize(model=pipe, config={"train_micro_batch_size_per_gpu": 4,
                                                           "gradient_accumulation_steps": 1, "steps_per_print": 10**6})
-    data = [((ids, attn, torch.arange(4)), (ids,)) for ids, attn in batches()]
-    engine.eval_batch(iter(data), num_micro_batches=len(data), bcast_loss=False)
+    for ids, attn in batches():
+        engine.reset_activation_shape()
+        engine.eval_batch(iter([((ids, attn, torch.arange(4)), (ids,))]), num_micro_batches=1, bcast_loss=False)
     if pipe.stage_id == pipe.num_stages - 1:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -55,7 +55,8 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, tmp_path):
     for x in r:
         assert x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * k / d    # gradients: payload only
         assert x["codec/bytes_fwd"] < x["codec/dense_equiv_bytes"] * 0.5          # payload + spans, ids, metadata
-        assert sum(x[f"codec/boundary{b}/bytes_bwd"] for b in range(7)) == x["codec/bytes_bwd"]
+        per_cut = [x[f"codec/boundary{b}/bytes_bwd"] for b in range(7)]
+        assert sum(per_cut) == x["codec/bytes_bwd"] and len(set(per_cut)) == 1     # every cut, exactly k/d
         assert sum(x[f"codec/boundary{b}/bytes_fwd"] for b in range(7)) == x["codec/bytes_fwd"]
     # the dense-equivalent counterfactual is what the dense control really sent for the same batch
     dense = rows(eight)[0]

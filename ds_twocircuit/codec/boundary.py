@@ -64,6 +64,15 @@ class CodecState:
             return torch.zeros(*y.shape[:-1], self.d, dtype=dtype, device=y.device).scatter(-1, idx, scaled)
         return y @ self.bases[layer].to(dtype).T
 
+    def set_basis(self, layer: int, q_Dk: torch.Tensor) -> None:
+        """Replace a lowrank cut's basis (the anchor refreshes them; both ends must set the same Q)."""
+        if q_Dk.shape != (self.d, self.k):
+            raise ValueError(f"basis for cut {layer}: shape {tuple(q_Dk.shape)}, expected ({self.d}, {self.k})")
+        gram = q_Dk.double().T @ q_Dk.double()
+        if not torch.allclose(gram, torch.eye(self.k, dtype=torch.float64), atol=1e-4):
+            raise ValueError(f"basis for cut {layer} is not orthonormal")
+        self.bases[layer] = q_Dk.float().contiguous()
+
     def take_counters(self) -> tuple[int, int]:
         out = (self.payload_bytes, self.dense_payload_bytes)
         self.payload_bytes = self.dense_payload_bytes = 0

@@ -4,11 +4,12 @@ Layer items, in order: `Embed` (stage 0) · one `Decoder` per HF decoder layer �
 LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
 the last two on the last stage. `layers_per_stage` assigns decoder layers to stages.
 
-What crosses a stage boundary is the tuple `(h float, span_B2 int64, sample_id_B int64)`: the
-hidden state (or its encoding, see codec/boundary.py) is the only float (DeepSpeed sends a gradient
-back for every float it receives), floats first (its receive buffers are matched by position). A
-sequence's real tokens are contiguous (left-padded prompt, right-padded response), so `span_B2`
-= [first, last+1) replaces the (B, T) attention mask on the wire: 16 bytes per sequence. Rotary
+What crosses a stage boundary is the pair `(h float, rows_B3 int32)`: the hidden state (or its
+encoding, see codec/boundary.py) is the only float (DeepSpeed sends a gradient back for every float
+it receives), floats first (its receive buffers are matched by position). A sequence's real tokens
+are contiguous (left-padded prompt, right-padded response), so `rows_B3` = [first, last+1,
+sample_id] replaces the (B, T) attention mask on the wire: 12 bytes per sequence, one tensor (each
+tensor of the tuple costs its own send and shape metadata). Rotary
 positions and the 4-D causal + padding mask are rebuilt on every stage from it: position =
 (cumsum(attn) − 1) clamped at 0, the rule HF `generate` uses for left-padded prompts. `sample_id_B`
 is the stable id of each sequence in the step's batch (the PRF codec keys its masks with it).
@@ -54,7 +55,7 @@ def span_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
 
 def mask_from_span(span_B2: torch.Tensor, T: int) -> torch.Tensor:
     t = torch.arange(T, device=span_B2.device)
-    return ((t >= span_B2[:, :1]) & (t < span_B2[:, 1:])).long()
+    return ((t >= span_B2[:, :1]) & (t < span_B2[:, 1:2])).long()
 
 
 class Embed(torch.nn.Module):
@@ -66,7 +67,8 @@ class Embed(torch.nn.Module):
 
     def forward(self, inputs):
         ids_BT, attn_BT, sid_B = inputs
-        return self.embed_tokens(ids_BT), span_from_mask(attn_BT), sid_B
+        rows_B3 = torch.cat([span_from_mask(attn_BT), sid_B[:, None]], 1).int()
+        return self.embed_tokens(ids_BT), rows_B3
 
     def hf_parameters(self):
         return {"model.embed_tokens.weight": self.embed_tokens.weight}
@@ -90,8 +92,9 @@ class Decoder(torch.nn.Module):
         self.rotary = rotary_cls(config=config)   # non-persistent buffers only
 
     def forward(self, inputs):
-        h, span_B2, sid_B = inputs
-        attn_BT = mask_from_span(span_B2, h.shape[1])
+        h, rows_B3 = inputs
+        rows_B3 = rows_B3.long()
+        attn_BT, sid_B = mask_from_span(rows_B3, h.shape[1]), rows_B3[:, 2]
         pos_BT = positions_from_mask(attn_BT)
         if self.decode_in:
             h = self.codec.decode(h, pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
@@ -101,7 +104,7 @@ class Decoder(torch.nn.Module):
         h = self.layer(h, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
         if self.encode_out:
             h = self.codec.encode(h, pos_BT, sid_B, self.layer_idx)
-        return h, span_B2, sid_B
+        return h, rows_B3.int()
 
     def hf_parameters(self):
         return {f"model.layers.{self.layer_idx}.{n}": p for n, p in self.layer.named_parameters()}
@@ -176,8 +179,7 @@ class TwoCircuitPipe(PipelineModule):
         self.layers_per_stage = list(layers_per_stage)
         self.codec = codec or CodecState()
         super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir), self.codec, self.layers_per_stage),
-                         num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform",
-                         dynamic_shape=True, **kw)
+                         num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform", **kw)
 
     def _partition_layers(self, method="uniform"):
         self.parts = explicit_parts(self.layers_per_stage)
