@@ -94,3 +94,13 @@ def test_resume_continues_the_same_trajectory(eight, tmp_path):
     assert rows(eight, "eval.jsonl") == rows(tmp_path, "eval.jsonl")
     wa, wb = weights(eight), weights(tmp_path)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_several_ppo_mini_batches_use_pipeline_old_logprobs(tiny_model, tmp_path):
+    """Two PPO mini-batches per rollout: π_old comes from a pipeline eval pass, so the second
+    mini-batch sees a ratio away from 1 (its policy moved with the first update)."""
+    launch(8, tmp_path, "grpo.ppo_mini_batches=2", "train.steps=2")
+    r = rows(tmp_path)
+    assert len(r) == 2 and all(math.isfinite(x["actor/ppo_kl"]) for x in r)
+    assert r[0]["actor/ppo_kl"] != 0.0
+    assert abs(r[0]["rollout_corr/kl"]) < 1e-5      # π_old of the eval pass equals the sampler's θ_t

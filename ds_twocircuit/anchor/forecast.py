@@ -1,0 +1,37 @@
+"""The staleness contract and the forecast: which checkpoints a fire uses, and θ̂.
+
+Fires at t = 0, c, 2c, ... (c = `anchor.every`). With staleness K (`anchor.staleness`), fire t
+uses the newest weights it may: θ(max(0, t − K)), and replays the rollout batch those weights
+generated (so the trainer ships θ and the batch at steps t − K of upcoming fires; at the default
+K = c those are the fire steps themselves). The forecast option extrapolates along the last shipped displacement,
+
+    θ̂(t) = θ(t−K) + (K/c)·(θ(t−K) − θ(t−K−c)),
+
+using the two newest checkpoints, and replays the newest batch (the one θ(t−K) generated); when
+t − K − c < 0 there is no older checkpoint and θ̂ = θ(t−K).
+"""
+
+
+def is_fire_step(t: int, every: int) -> bool:
+    return t % every == 0
+
+
+def weights_step(t: int, staleness: int) -> int:
+    """The step whose weights (and rollout batch) fire t replays."""
+    return max(0, t - staleness)
+
+
+def forecast_steps(t: int, staleness: int, every: int) -> tuple[int, int | None]:
+    """(newer, older) checkpoint steps of the secant at fire t; older is None when it does not exist."""
+    newer = weights_step(t, staleness)
+    return newer, (newer - every if newer - every >= 0 else None)
+
+
+def forecast(newer: dict, older: dict | None, staleness: int, every: int) -> dict:
+    """θ̂ = θ_new + (K/c)(θ_new − θ_old), tensor by tensor (same names and shapes); θ_new if no θ_old."""
+    if older is None:
+        return dict(newer)
+    if newer.keys() != older.keys():
+        raise ValueError("forecast: the two checkpoints hold different tensors")
+    r = staleness / every
+    return {n: newer[n] + r * (newer[n] - older[n]) for n in newer}

@@ -1,0 +1,113 @@
+"""Checkpoint shipping between the trainer and the anchor: files only, nothing unpickled.
+
+Layout under the mailbox directory (any file transport can carry it between hosts):
+
+    theta/step{t:08d}/stage{s}.safetensors  + stage{s}.json   θ(t) of stage s, HF names
+    batch/step{t:08d}.safetensors           + .json           the rollout batch θ(t) generated
+    sign/step{t:08d}/stage{s}.sign                            sign(M) bits of stage s, with header
+
+A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
+checks all three and raises `MailboxError` naming the file. A sign file is a fixed 96-byte header
+(magic, version, step, stage, parameter count, sha256 of the stage's (name, shape) layout, sha256
+of the payload) followed by ⌈P/8⌉ bytes of bits (see sign.py). Every file is written under a
+temporary name and renamed into place, so a reader never sees half a file.
+"""
+import hashlib
+import json
+import os
+import pathlib
+import struct
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MAGIC = b"TCSIGN\0\0"
+VERSION = 1
+_HEADER = struct.Struct("<8sIqiq32s32s")   # 96 bytes
+HEADER_BYTES = _HEADER.size
+
+
+class MailboxError(ValueError):
+    """A shipped file is missing, corrupt, truncated, stale or does not match what the reader expects."""
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def layout_digest(shapes: dict[str, tuple]) -> bytes:
+    """sha256 of the ordered (name, shape) list: both ends must agree on the parameter layout."""
+    text = ";".join(f"{n}:{','.join(map(str, s))}" for n, s in shapes.items())
+    return hashlib.sha256(text.encode()).digest()
+
+
+# ---- tensors (θ and rollout batches) -------------------------------------------------------
+def write_tensors(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    """`path` (.safetensors) and its manifest `path.json`; the manifest lands last."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(tmp))
+    data = tmp.read_bytes()
+    os.replace(tmp, path)
+    manifest = {"step": step, "file": path.name, "sha256": _sha256(data),
+                "shapes": {n: list(t.shape) for n, t in tensors.items()}}
+    _atomic_write(path.with_suffix(".json"), json.dumps(manifest).encode())
+
+
+def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    man_path = path.with_suffix(".json")
+    if not man_path.is_file() or not path.is_file():
+        raise MailboxError(f"{path}: missing (or its manifest is)")
+    try:
+        manifest = json.loads(man_path.read_text())
+    except json.JSONDecodeError as e:
+        raise MailboxError(f"{man_path}: corrupt manifest ({e})") from None
+    if manifest.get("step") != step:
+        raise MailboxError(f"{path}: manifest says step {manifest.get('step')}, expected {step}")
+    data = path.read_bytes()
+    if _sha256(data) != manifest.get("sha256"):
+        raise MailboxError(f"{path}: sha256 mismatch (corrupt or truncated file)")
+    tensors = load_file(str(path))
+    got = {n: list(t.shape) for n, t in tensors.items()}
+    if got != manifest["shapes"]:
+        raise MailboxError(f"{path}: tensors do not match the manifest's shapes")
+    if shapes is not None and got != {n: list(s) for n, s in shapes.items()}:
+        raise MailboxError(f"{path}: tensor names/shapes differ from this stage's parameters")
+    return tensors
+
+
+# ---- sign(M) -----------------------------------------------------------------------------
+def write_sign(path: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple], bits: bytes, numel: int) -> None:
+    header = _HEADER.pack(MAGIC, VERSION, step, stage, numel, layout_digest(shapes), hashlib.sha256(bits).digest())
+    _atomic_write(path, header + bits)
+
+
+def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple], newer_than: int = -1) -> tuple[int, bytes, int]:
+    """→ (step, bits, numel). Rejects bad magic/version, truncation, checksum, a stale step
+    (≤ newer_than) and a layout (names, shapes) other than this stage's."""
+    data = path.read_bytes() if path.is_file() else b""
+    if len(data) < HEADER_BYTES:
+        raise MailboxError(f"{path}: truncated sign file ({len(data)} bytes, header needs {HEADER_BYTES})")
+    magic, version, step, st, numel, layout, digest = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise MailboxError(f"{path}: not a sign file of version {VERSION}")
+    bits = data[HEADER_BYTES:]
+    if len(bits) != (numel + 7) // 8:
+        raise MailboxError(f"{path}: truncated payload ({len(bits)} of {(numel + 7) // 8} bytes)")
+    if hashlib.sha256(bits).digest() != digest:
+        raise MailboxError(f"{path}: payload checksum mismatch")
+    if st != stage or layout != layout_digest(shapes):
+        raise MailboxError(f"{path}: written for stage {st} with another parameter layout; this is stage {stage}")
+    if step <= newer_than:
+        raise MailboxError(f"{path}: stale sign of step {step} (already hold step {newer_than})")
+    return step, bits, numel

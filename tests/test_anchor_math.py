@@ -1,0 +1,123 @@
+"""The anchor's pure pieces: sign packing, the correction's closed forms, the staleness contract."""
+import math
+
+import pytest
+import torch
+
+from ds_twocircuit.anchor.forecast import forecast, forecast_steps, is_fire_step, weights_step
+from ds_twocircuit.anchor.sign import corrected_gradient, pack_signs, sign_agreement, unpack_signs
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 12345])
+def test_pack_round_trip_and_size(numel):
+    m = torch.randn(numel)
+    buf = pack_signs(m)
+    assert len(buf) == math.ceil(numel / 8)
+    assert torch.equal(unpack_signs(buf, numel), torch.where(m > 0, 1.0, -1.0))
+    with pytest.raises(ValueError, match="expected"):
+        unpack_signs(buf + b"\0", numel)
+
+
+def test_correction_closed_forms():
+    g = torch.tensor([2.0, -3.0, 0.5, -0.25, 0.0])
+    s = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])
+    out = corrected_gradient(g, s, alpha=0.25)
+    assert out.tolist() == [2.0, -3.0, -0.25, 0.125, 0.0]        # agree: g; disagree: (2α−1)g
+    ref = 0.25 * g + 0.75 * g.abs() * s
+    torch.testing.assert_close(out, ref)
+    assert corrected_gradient(g, s, alpha=1.0).tolist() == g.tolist()
+    assert math.isclose(sign_agreement(g, s), 3 / 5, rel_tol=1e-6)
+
+
+def test_formula_on_random_values():
+    g, s = torch.randn(10000), torch.where(torch.randn(10000) > 0, 1.0, -1.0)
+    for a in (0.0, 0.25, 0.5):
+        torch.testing.assert_close(corrected_gradient(g, s, a), a * g + (1 - a) * g.abs() * s)
+
+
+def test_agreeing_sign_leaves_adamw_bitwise_unchanged():
+    torch.manual_seed(0)
+    w1 = torch.nn.Parameter(torch.randn(300))
+    w2 = torch.nn.Parameter(w1.detach().clone())
+    o1, o2 = torch.optim.AdamW([w1], lr=1e-2), torch.optim.AdamW([w2], lr=1e-2)
+    for _ in range(10):
+        g = torch.randn(300)
+        w1.grad, w2.grad = g.clone(), corrected_gradient(g.clone(), torch.sign(g), 0.25)
+        o1.step()
+        o2.step()
+    assert torch.equal(w1, w2)
+
+
+def test_staleness_contract():
+    assert [t for t in range(61) if is_fire_step(t, 20)] == [0, 20, 40, 60]
+    assert [weights_step(t, 20) for t in (0, 20, 40, 60)] == [0, 0, 20, 40]
+    assert forecast_steps(0, 20, 20) == (0, None)
+    assert forecast_steps(20, 20, 20) == (0, None)
+    assert forecast_steps(40, 20, 20) == (20, 0)
+    assert forecast_steps(60, 20, 20) == (40, 20)
+    assert forecast_steps(60, 10, 20) == (50, 30)
+
+
+def test_forecast_secant():
+    new, old = {"w": torch.tensor([3.0, 1.0])}, {"w": torch.tensor([1.0, 1.0])}
+    assert forecast(new, old, 20, 20)["w"].tolist() == [5.0, 1.0]
+    assert forecast(new, old, 10, 20)["w"].tolist() == [4.0, 1.0]
+    assert forecast(new, None, 20, 20)["w"].tolist() == [3.0, 1.0]
+    with pytest.raises(ValueError):
+        forecast(new, {"v": torch.zeros(2)}, 20, 20)
+
+
+# ---- the mailbox's files ------------------------------------------------------------------
+from ds_twocircuit.anchor.mailbox import HEADER_BYTES, MailboxError, read_sign, read_tensors, write_sign, write_tensors  # noqa: E402
+
+SHAPES = {"a.weight": (3, 5), "b.bias": (7,)}
+
+
+def test_tensor_round_trip_and_rejections(tmp_path):
+    t = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7)}
+    p = tmp_path / "theta" / "stage0.safetensors"
+    write_tensors(p, 20, t)
+    got = read_tensors(p, 20, SHAPES)
+    assert all(torch.equal(got[n], t[n]) for n in t)
+    with pytest.raises(MailboxError, match="step 20, expected 40"):
+        read_tensors(p, 40)
+    with pytest.raises(MailboxError, match="differ"):
+        read_tensors(p, 20, {"a.weight": (3, 5)})
+    data = p.read_bytes()
+    p.write_bytes(data[:-3])
+    with pytest.raises(MailboxError, match="sha256"):
+        read_tensors(p, 20)
+    p.with_suffix(".json").write_text("{not json")
+    with pytest.raises(MailboxError, match="corrupt manifest"):
+        read_tensors(p, 20)
+    with pytest.raises(MailboxError, match="missing"):
+        read_tensors(tmp_path / "nope.safetensors", 20)
+    assert not list(p.parent.glob(".*tmp*"))
+
+
+def test_sign_file_size_and_rejections(tmp_path):
+    numel = sum(math.prod(s) for s in SHAPES.values())
+    bits = pack_signs(torch.randn(numel))
+    p = tmp_path / "stage1.sign"
+    write_sign(p, 40, 1, SHAPES, bits, numel)
+    assert p.stat().st_size == HEADER_BYTES + math.ceil(numel / 8) and HEADER_BYTES == 96
+    assert read_sign(p, 1, SHAPES) == (40, bits, numel)
+    with pytest.raises(MailboxError, match="stale"):
+        read_sign(p, 1, SHAPES, newer_than=40)
+    with pytest.raises(MailboxError, match="stage 1"):
+        read_sign(p, 2, SHAPES)
+    with pytest.raises(MailboxError, match="layout"):
+        read_sign(p, 1, {"a.weight": (5, 3), "b.bias": (7,)})
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-1])
+    with pytest.raises(MailboxError, match="truncated payload"):
+        read_sign(p, 1, SHAPES)
+    p.write_bytes(raw[:50])
+    with pytest.raises(MailboxError, match="truncated sign file"):
+        read_sign(p, 1, SHAPES)
+    p.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(MailboxError, match="checksum"):
+        read_sign(p, 1, SHAPES)
+    p.write_bytes(b"X" * len(raw))
+    with pytest.raises(MailboxError, match="not a sign file"):
+        read_sign(p, 1, SHAPES)
