@@ -53,7 +53,7 @@ class Trainer:
             (run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
             self.sampler = HFSampler(model_dir, self.tc.model.attn_implementation)
             self.shapes = self.sampler.state_shapes()
-            self.logger = RunLogger(run_dir, {"twocircuit": json.loads(json.dumps(to_plain(self.tc))), **run.ds},
+            self.logger = RunLogger(run_dir, {"twocircuit": to_plain(self.tc), **run.ds},
                                     self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
         if resume:
             self.sync_sampler()
@@ -93,10 +93,13 @@ class Trainer:
     def prompt_rows(self, t: int) -> list[int]:
         """Rows of the training set for step t: consecutive slices of per-epoch permutations."""
         n, B = len(self.task.train), self.tc.grpo.prompts_per_step
+        perms: dict[int, np.ndarray] = {}
         rows = []
         for i in range(t * B, (t + 1) * B):
             epoch, pos = divmod(i, n)
-            rows.append(int(np.random.default_rng([self.tc.train.seed, epoch]).permutation(n)[pos]))
+            if epoch not in perms:
+                perms[epoch] = np.random.default_rng([self.tc.train.seed, epoch]).permutation(n)
+            rows.append(int(perms[epoch][pos]))
         return rows
 
     def rollout(self, t: int) -> Rollout:
