@@ -35,6 +35,7 @@ class TinyModelConfig:
     num_layers: int = 28            # 28 so the 4/4/4/4/3/3/3/3 layout of the 1.5B recipe is real
     num_heads: int = 4
     num_kv_heads: int = 2
+    intermediate_size: int = 0      # MLP width; 0: 4 × hidden_size
     warmup_steps: int = 750         # supervised warm-start on the synthetic task (~0.35 held-out acc)
     warmup_batch: int = 128
     warmup_lr: float = 1e-3

@@ -1,0 +1,390 @@
+"""Slow links, measured: every pipeline stage in its own network namespace behind a rate-limited link.
+
+    sudo python launch/bench_links.py [--rates unshaped 1gbit 100mbit 10mbit] [--out runs/bench_links]
+
+Creates one network namespace per stage, each joined to one bridge by a veth pair, with Linux `tc`
+token-bucket shaping (`tbf`) on every stage's egress, and runs the same GRPO pipeline steps (a
+reference-policy eval pass and a train_batch, as `trainer.py` does, minus the sampler) with each rank
+inside its namespace (torch.distributed env:// rendezvous over the bridge). One launch serves every
+phase: the ranks stop at a handshake before each (codec, rate) phase while this process re-shapes the
+links. It prints, side by side: step time per run, bytes per boundary per step (from the p2p wire
+accounting and from the interfaces' own counters), the dense/prf ratio at each rate and each run's
+ratio to its own unshaped time. `--scaling` sweeps tokens per step at one rate instead.
+
+Needs root and iproute2. It uses addresses only on the namespaces it creates (10.231.137.0/24),
+removes everything it created on exit, error or Ctrl-C, and every wait is bounded.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+SUBNET = "10.231.137"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---- namespaces, links and shaping -----------------------------------------------------------------
+def sh(*cmd: str, check: bool = True) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {p.stderr.strip()}")
+    return p.stdout
+
+
+class Namespaces:
+    """n namespaces `<prefix>n<i>` on bridge `<prefix>br`; peer `<prefix>p<i>` inside, `<prefix>v<i>` outside."""
+
+    def __init__(self, n: int, prefix: str):
+        self.n, self.prefix = n, prefix
+        self.ns = [f"{prefix}n{i}" for i in range(n)]
+        self.bridge = f"{prefix}br"
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def peer(self, i: int) -> str:
+        return f"{self.prefix}p{i}"
+
+    def __enter__(self):
+        try:
+            sh("ip", "link", "add", self.bridge, "type", "bridge")
+            sh("ip", "link", "set", self.bridge, "up")
+            for i, ns in enumerate(self.ns):
+                v, p = f"{self.prefix}v{i}", self.peer(i)
+                sh("ip", "netns", "add", ns)
+                sh("ip", "link", "add", v, "type", "veth", "peer", "name", p)
+                sh("ip", "link", "set", p, "netns", ns)
+                sh("ip", "link", "set", v, "master", self.bridge)
+                sh("ip", "link", "set", v, "up")
+                sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", p)
+                sh("ip", "-n", ns, "link", "set", p, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+        except Exception:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        for ns in self.ns:
+            sh("ip", "netns", "del", ns, check=False)   # takes its veth pair with it
+        sh("ip", "link", "del", self.bridge, check=False)
+
+    def shape(self, rate: str | None) -> None:
+        """tbf on every stage's egress; None removes it (unshaped)."""
+        for i, ns in enumerate(self.ns):
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", self.peer(i), "root", check=False)
+            if rate:
+                bps = parse_rate(rate)
+                burst = max(16 * 1024, int(bps / 8 / 250))      # ≥ one timer tick of traffic
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.peer(i), "root", "tbf",
+                   "rate", rate, "burst", str(burst), "latency", "2s")
+
+    def tx_bytes(self) -> list[int]:
+        """Bytes each namespace has sent (the outside end's receive counter)."""
+        return [int(pathlib.Path(f"/sys/class/net/{self.prefix}v{i}/statistics/rx_bytes").read_text())
+                for i in range(self.n)]
+
+
+def parse_rate(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for u, m in units.items():
+        if rate.endswith(u):
+            return float(rate[: -len(u)]) * m
+    raise ValueError(f"rate '{rate}': use e.g. 100mbit, 1gbit")
+
+
+# ---- the ranks ---------------------------------------------------------------------------------------
+def worker(a) -> None:
+    """One pipeline rank inside its namespace: all phases, with a handshake before each."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from ds_twocircuit.codec.boundary import CodecState, cut_layers
+    from ds_twocircuit.engine import PipeLoss, WireCounter, init_distributed, micro_batches, swapped_weights
+    from ds_twocircuit.grpo.loss import LossCoefs
+    from ds_twocircuit.model.pipe import TwoCircuitPipe, load_hf_config
+
+    torch.set_num_threads(1)
+    init_distributed()
+    phases = json.loads(a.phases)
+    split = [a.layers_per_stage] * a.stages
+    d = load_hf_config(a.model_dir, "sdpa").hidden_size
+    codec = CodecState(name="dense", d=d, k=max(1, round(a.keep_ratio * d)), seed=0,
+                       cuts=frozenset(cut_layers(split)))
+    loss = PipeLoss(LossCoefs(), 1.0)
+    pipe = TwoCircuitPipe(a.model_dir, split, loss, codec=codec)
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()], config={
+        "train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": a.gas, "gradient_clipping": 0.0,
+        "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}}})
+    base = [p.detach().clone() for p in pipe.parameters()]
+    wire, rank, ctl = WireCounter(pipe.stage_id), dist.get_rank(), pathlib.Path(a.control)
+    for i, ph in enumerate(phases):
+        batch = synthetic_rollout(a.micro * a.gas, ph["seq"], load_hf_config(a.model_dir, "sdpa").vocab_size)
+        codec.name = ph["codec"]
+        engine.reset_activation_shape()
+        if rank == 0:
+            (ctl / f"want_{i}").touch()
+            wait_for(ctl / f"go_{i}", a.phase_timeout)
+        dist.barrier()
+        times, wire_rows = [], []
+        for s in range(a.warmup + a.steps):
+            codec.step = s
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss.mode = "logprob"
+            z = torch.zeros_like(batch.resp_NT1)
+            with swapped_weights(pipe, base):          # the reference pass, as in every GRPO step
+                engine.eval_batch(iter(micro_batches(batch, a.micro, z, z, z)), num_micro_batches=a.gas,
+                                  bcast_loss=False)
+            loss.reset()
+            loss.mode, loss.scale = "train", a.gas
+            w = batch.resp_NT1 / batch.resp_NT1.sum()
+            engine.train_batch(iter(micro_batches(batch, a.micro, w, z, z)))
+            dist.barrier()
+            if s >= a.warmup:
+                times.append(time.perf_counter() - t0)
+                wire_rows.append([*wire.take(), *codec.take_counters()])
+            else:
+                wire.take(), codec.take_counters()
+        v = torch.zeros(a.stages, 4, dtype=torch.float64)
+        v[pipe.stage_id] = torch.tensor(wire_rows, dtype=torch.float64).mean(0)
+        dist.all_reduce(v)
+        if rank == 0:
+            (ctl / f"result_{i}.json").write_text(json.dumps({"phase": ph, "step_s": times, "per_stage": v.tolist()}))
+
+
+def synthetic_rollout(n: int, seq: int, vocab: int):
+    """A fixed batch of n sequences of `seq` tokens: the second half is the scored response."""
+    import torch
+
+    from ds_twocircuit.grpo.rollouts import Rollout
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (n, seq), generator=g)
+    resp = torch.zeros(n, seq - 1)
+    resp[:, seq // 2:] = 1.0
+    return Rollout(ids, torch.ones(n, seq, dtype=torch.long), resp, torch.zeros(n, seq - 1), torch.zeros(n),
+                   torch.randn(n, generator=g), torch.arange(n))
+
+
+def wait_for(path: pathlib.Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f}s for {path}")
+        time.sleep(0.05)
+
+
+# ---- the driver --------------------------------------------------------------------------------------
+def build_model(a) -> str:
+    from ds_twocircuit.config import TinyModelConfig
+    from ds_twocircuit.model.tiny import ensure_tiny_model
+    heads = max(1, a.hidden // 128)
+    return ensure_tiny_model(TinyModelConfig(hidden_size=a.hidden, num_layers=a.stages * a.layers_per_stage,
+                                             num_heads=heads, num_kv_heads=max(1, heads // 6) if heads >= 6 else 1,
+                                             intermediate_size=a.intermediate, warmup_steps=0), eval_size=8)
+
+
+def run_phases(a, phases: list[dict]) -> list[dict]:
+    """Start the ranks in their namespaces, re-shape links at each handshake, collect the results."""
+    model_dir = build_model(a)
+    ctl = pathlib.Path(a.out) / "control"
+    shutil.rmtree(ctl, ignore_errors=True)
+    ctl.mkdir(parents=True)
+    prefix = f"tcl{os.getpid() % 100000}"
+    results, procs = [], []
+    with Namespaces(a.stages, prefix) as net:
+        try:
+            port = 29600 + os.getpid() % 1000
+            for r in range(a.stages):
+                env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(a.stages), "LOCAL_RANK": "0",
+                       "MASTER_ADDR": net.addr(0), "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.peer(r),
+                       "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+                cmd = ["ip", "netns", "exec", net.ns[r], sys.executable, __file__, "--worker", "--model-dir", model_dir,
+                       "--control", str(ctl), "--phases", json.dumps(phases), *worker_args(a)]
+                log = open(pathlib.Path(a.out) / f"rank{r}.log", "w")
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            for i, ph in enumerate(phases):
+                wait_alive(ctl / f"want_{i}", procs, a.phase_timeout)
+                net.shape(None if ph["rate"] == "unshaped" else ph["rate"])
+                tx0 = net.tx_bytes()
+                (ctl / f"go_{i}").touch()
+                wait_alive(ctl / f"result_{i}.json", procs, a.phase_timeout)
+                res = json.loads((ctl / f"result_{i}.json").read_text())
+                res["iface_bytes_per_step"] = [(b - b0) / (a.warmup + a.steps) for b, b0 in zip(net.tx_bytes(), tx0)]
+                results.append(res)
+                print(f"  {ph['codec']:>5} @ {ph['rate']:>8} seq {ph['seq']}: {median(res['step_s']):.2f} s/step",
+                      flush=True)
+            for p in procs:
+                p.wait(timeout=a.phase_timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    return results
+
+
+def wait_alive(path: pathlib.Path, procs, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        dead = [p for p in procs if p.poll() not in (None, 0)]
+        if dead or time.time() > deadline:
+            raise RuntimeError(f"ranks failed or stalled before {path.name} (see rank*.log)")
+        time.sleep(0.1)
+
+
+def worker_args(a) -> list[str]:
+    return ["--stages", str(a.stages), "--layers-per-stage", str(a.layers_per_stage), "--micro", str(a.micro),
+            "--gas", str(a.gas), "--keep-ratio", str(a.keep_ratio), "--steps", str(a.steps), "--warmup",
+            str(a.warmup), "--phase-timeout", str(a.phase_timeout)]
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def report(results: list[dict], stages: int) -> str:
+    """The rate table: time, bytes per boundary, dense/prf, and each run against its own unshaped time."""
+    by = {(r["phase"]["codec"], r["phase"]["rate"], r["phase"]["seq"]): r for r in results}
+    lines = ["| rate | seq | dense s/step | prf s/step | dense / prf | dense / own unshaped | prf / own unshaped |"
+             " dense MB/boundary/step (p2p, iface) | prf MB/boundary/step (p2p, iface) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (codec, rate, seq), r in by.items():
+        if codec != "dense" or ("prf", rate, seq) not in by:
+            continue
+        p = by[("prf", rate, seq)]
+        td, tp = median(r["step_s"]), median(p["step_s"])
+        ud = median(by.get(("dense", "unshaped", seq), r)["step_s"])
+        up = median(by.get(("prf", "unshaped", seq), p)["step_s"])
+        lines.append(f"| {rate} | {seq} | {td:.2f} | {tp:.2f} | {td / tp:.2f} | {td / ud:.2f} | {tp / up:.2f} | "
+                     f"{boundary_mb(r, stages)} | {boundary_mb(p, stages)} |")
+    return "\n".join(lines)
+
+
+def boundary_mb(r: dict, stages: int) -> str:
+    """Mean over the cuts of fwd+bwd bytes crossing a cut per step: p2p accounting, interface counters."""
+    ps = r["per_stage"]
+    p2p = sum(ps[s][0] for s in range(stages - 1)) + sum(ps[s][1] for s in range(1, stages))
+    iface = sum(r["iface_bytes_per_step"])
+    return f"{p2p / (stages - 1) / 1e6:.3f}, {iface / (stages - 1) / 1e6:.3f}"
+
+
+def fit_link_model(results: list[dict], stages: int) -> dict:
+    """Step time model T = T0 + β·B/r per codec: T0 its unshaped time, B the bytes one cut carries per step
+    (both directions), r the link rate in bytes/s; β (least squares through the shaped points) is the
+    number of cut transfers on the critical path after the pipeline's overlap."""
+    out = {}
+    for codec in {r["phase"]["codec"] for r in results}:
+        rows = [r for r in results if r["phase"]["codec"] == codec]
+        t0 = median(next(r for r in rows if r["phase"]["rate"] == "unshaped")["step_s"])
+        xs, ys = [], []
+        for r in rows:
+            if r["phase"]["rate"] != "unshaped":
+                b = float(boundary_mb(r, stages).split(",")[0]) * 1e6
+                xs.append(b / (parse_rate(r["phase"]["rate"]) / 8))
+                ys.append(median(r["step_s"]) - t0)
+        beta = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)
+        out[codec] = {"t0": t0, "beta": beta}
+    return out
+
+
+def project(beta: float, keep: float = 0.05, params: float = 1.54e9, d: int = 1536, prompts: int = 512,
+            samples: int = 8, tokens_per_seq: int = 4096, gpu_flops: float = 989e12, mfu: float = 0.4,
+            stages: int = 8, anchor_every: int = 20) -> str:
+    """The real deployment on paper: Qwen2.5-1.5B on 8 GPU stages, 512 × 8 sequences of up to 4k tokens,
+    bf16 activations; per step, in seconds, at 100 Mbit/s and 1 Gbit/s, dense against prf95."""
+    n = prompts * samples * tokens_per_seq                       # tokens per step
+    compute = 8 * params * n / (stages * gpu_flops * mfu)         # ref fwd (2PN) + train fwd+bwd (6PN), 8 GPUs
+    cut_dense = 3 * n * d * 2                                    # ref fwd + train fwd + train bwd, bf16
+    lines = ["| link | codec | compute | boundaries (β·B/r) | sampler sync (2P/r) | anchor (P/8 + 2P per fire)/c | "
+             "total | dominant |", "|---|---|---|---|---|---|---|---|"]
+    for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9)):
+        r = bps / 8
+        for codec, frac in (("dense", 1.0), ("prf95", keep)):
+            terms = {"compute": compute, "boundaries": beta * cut_dense * frac / r, "sampler sync": 2 * params / r,
+                     "anchor": (params / 8 + 2 * params) / anchor_every / r if codec == "prf95" else 0.0}
+            total = sum(terms.values())
+            lines.append(f"| {name} | {codec} | {terms['compute']:.0f} | {terms['boundaries']:.0f} | "
+                         f"{terms['sampler sync']:.0f} | {terms['anchor']:.1f} | {total:.0f} | "
+                         f"{max(terms, key=terms.get)} |")
+    return "\n".join(lines)
+
+
+def print_projection(a) -> None:
+    results = json.loads((pathlib.Path(a.out) / "results.json").read_text())
+    fit = fit_link_model(results, a.stages)
+    print("fitted T = T0 + β·B/r: " + ", ".join(f"{c}: T0 {v['t0']:.2f} s, β {v['beta']:.2f}" for c, v in fit.items()))
+    beta = fit.get("dense", next(iter(fit.values())))["beta"]
+    text = project(beta, a.keep_ratio)
+    (pathlib.Path(a.out) / "projection.md").write_text(text + "\n")
+    print(text)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", nargs="+", default=["unshaped", "1gbit", "100mbit", "10mbit"])
+    ap.add_argument("--codecs", nargs="+", default=["dense", "prf"])
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--scaling", nargs="*", type=int, default=None, help="sequence lengths to sweep at --scaling-rate")
+    ap.add_argument("--scaling-rate", default="10mbit")
+    ap.add_argument("--stages", type=int, default=8)
+    ap.add_argument("--layers-per-stage", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--gas", type=int, default=4)
+    ap.add_argument("--keep-ratio", type=float, default=0.05)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--phase-timeout", type=float, default=300)
+    ap.add_argument("--out", default="runs/bench_links")
+    ap.add_argument("--project", action="store_true", help="only print the fitted model and the 1.5B projection "
+                    "from OUT/results.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--control", help=argparse.SUPPRESS)
+    ap.add_argument("--phases", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    if a.worker:
+        return worker(a)
+    if a.project:
+        return print_projection(a)
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        sys.exit("bench_links needs root, iproute2 (ip) and tc")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind through the cleanup on kill
+    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.scaling:
+        phases = [{"codec": c, "rate": r, "seq": s} for s in a.scaling for r in ("unshaped", a.scaling_rate)
+                  for c in a.codecs]
+    else:
+        phases = [{"codec": c, "rate": r, "seq": a.seq} for r in a.rates for c in a.codecs]
+    t0 = time.time()
+    results = run_phases(a, phases)
+    table = report(results, a.stages)
+    (pathlib.Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
+    (pathlib.Path(a.out) / "table.md").write_text(table + "\n")
+    print(table)
+    if not a.scaling:
+        print_projection(a)
+    seqs = "/".join(map(str, a.scaling)) if a.scaling else str(a.seq)
+    print(f"({len(phases)} phases in {time.time() - t0:.0f} s; hidden {a.hidden}, {a.stages} stages, "
+          f"{a.micro * a.gas} sequences x {seqs} tokens per step)")
+
+
+if __name__ == "__main__":
+    main()

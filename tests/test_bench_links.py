@@ -1,0 +1,42 @@
+"""The slow-link benchmark in miniature: two stages in two network namespaces, shaped and unshaped."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def can_make_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs iproute2 (ip, tc)"
+    name = f"tclprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        return "this kernel/sandbox refuses 'ip netns add'"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+@pytest.mark.dist
+def test_two_namespaces_two_stages(cache_dir, tmp_path):
+    why = can_make_namespaces()
+    if why:
+        pytest.skip(why)
+    p = subprocess.run([sys.executable, "launch/bench_links.py", "--stages", "2", "--hidden", "64", "--intermediate",
+                        "64", "--rates", "unshaped", "10mbit", "--steps", "1", "--phase-timeout", "120",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "tcl" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "tcl" not in subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    res = {(r["phase"]["codec"], r["phase"]["rate"]): r for r in json.loads((tmp_path / "results.json").read_text())}
+    fwd = lambda r: r["per_stage"][0][0]                          # stage 0 → 1 bytes per step (p2p)
+    assert fwd(res[("prf", "10mbit")]) < 0.2 * fwd(res[("dense", "10mbit")])
+    for r in res.values():                                        # the wire carries at least what p2p handed it
+        assert r["iface_bytes_per_step"][0] >= fwd(r)
+    assert "| 10mbit |" in (tmp_path / "table.md").read_text()
