@@ -195,7 +195,7 @@ def validate(run: RunConfig) -> None:
 def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     if c.name not in CODECS:
         raise ConfigError(f"codec.name='{c.name}': expected one of {list(CODECS)}")
-    k = c.keep if c.keep > 0 else round(c.keep_ratio * d)
+    k = codec_keep(c, d)
     if not 1 <= k <= d:
         raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
     if c.payload_dtype not in ("fp32", "bf16"):
@@ -204,6 +204,11 @@ def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
         raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
+
+
+def codec_keep(c: CodecConfig, d: int) -> int:
+    """k kept channels per token: `codec.keep` when set, else round(keep_ratio · d) (77 of 1536)."""
+    return c.keep if c.keep > 0 else round(c.keep_ratio * d)
 
 
 def codec_cuts(c: CodecConfig, split: list[int]) -> list[int]:

@@ -11,8 +11,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from .codec.boundary import DTYPES, CodecState, cut_layers, keep_count, top_basis
-from .config import codec_cuts
+from .codec.boundary import DTYPES, CodecState, cut_layers, top_basis
+from .config import codec_cuts, codec_keep
 from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
 from .grpo.rollouts import Rollout
 from .model.pipe import Embed, TwoCircuitPipe, load_hf_config
@@ -67,7 +67,7 @@ def init_distributed() -> None:
 
 def build_codec(tc, hidden_size: int) -> CodecState:
     c = tc.codec
-    return CodecState(name=c.name, d=hidden_size, k=keep_count(c.keep_ratio, c.keep, hidden_size), seed=c.seed,
+    return CodecState(name=c.name, d=hidden_size, k=codec_keep(c, hidden_size), seed=c.seed,
                       cuts=frozenset(codec_cuts(c, tc.model.layers_per_stage)), payload_dtype=DTYPES[c.payload_dtype])
 
 

@@ -191,7 +191,7 @@ def build_model(a) -> str:
     from ds_twocircuit.model.tiny import ensure_tiny_model
     heads = max(1, a.hidden // 128)
     return ensure_tiny_model(TinyModelConfig(hidden_size=a.hidden, num_layers=a.stages * a.layers_per_stage,
-                                             num_heads=heads, num_kv_heads=max(1, heads // 6) if heads >= 6 else 1,
+                                             num_heads=heads, num_kv_heads=max(1, heads // 6),
                                              intermediate_size=a.intermediate, warmup_steps=0), eval_size=8)
 
 
@@ -272,12 +272,16 @@ def report(results: list[dict], stages: int) -> str:
     return "\n".join(lines)
 
 
-def boundary_mb(r: dict, stages: int) -> str:
-    """Mean over the cuts of fwd+bwd bytes crossing a cut per step: p2p accounting, interface counters."""
+def cut_bytes(r: dict, stages: int) -> tuple[float, float]:
+    """Mean over the cuts of fwd+bwd bytes crossing a cut per step: (p2p accounting, interface counters)."""
     ps = r["per_stage"]
     p2p = sum(ps[s][0] for s in range(stages - 1)) + sum(ps[s][1] for s in range(1, stages))
-    iface = sum(r["iface_bytes_per_step"])
-    return f"{p2p / (stages - 1) / 1e6:.3f}, {iface / (stages - 1) / 1e6:.3f}"
+    return p2p / (stages - 1), sum(r["iface_bytes_per_step"]) / (stages - 1)
+
+
+def boundary_mb(r: dict, stages: int) -> str:
+    p2p, iface = cut_bytes(r, stages)
+    return f"{p2p / 1e6:.3f}, {iface / 1e6:.3f}"
 
 
 def fit_link_model(results: list[dict], stages: int) -> dict:
@@ -291,7 +295,7 @@ def fit_link_model(results: list[dict], stages: int) -> dict:
         xs, ys = [], []
         for r in rows:
             if r["phase"]["rate"] != "unshaped":
-                b = float(boundary_mb(r, stages).split(",")[0]) * 1e6
+                b = cut_bytes(r, stages)[0]
                 xs.append(b / (parse_rate(r["phase"]["rate"]) / 8))
                 ys.append(median(r["step_s"]) - t0)
         beta = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)

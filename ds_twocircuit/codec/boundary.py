@@ -92,10 +92,3 @@ def cut_layers(layers_per_stage: list[int]) -> list[int]:
         acc += n
         out.append(acc - 1)
     return out
-
-
-def keep_count(keep_ratio: float, keep: int, d: int) -> int:
-    k = keep if keep > 0 else round(keep_ratio * d)
-    if not 1 <= k <= d:
-        raise ValueError(f"codec keep k={k} must be in [1, d={d}]")
-    return k
