@@ -83,6 +83,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 20
     save_every: int = 50            # DeepSpeed checkpoint cadence (0: only at the end)
+    dense_every: int = 0            # every N-th step runs with the codec off (the seeds: 50); 0: never
+    probe_every: int = 10           # codec-off probe (dense log-probs and dense gradient) cadence; 0: off
 
 
 @dataclass
@@ -93,6 +95,22 @@ class CodecConfig:
     boundaries: Any = "all"         # "all" cuts, or a list of cut layers (decoder index the cut follows)
     payload_dtype: str = "fp32"     # fp32 | bf16 on the wire
     seed: int = 0                   # the PRF key's seed
+
+
+@dataclass
+class AnchorConfig:
+    """The dense anchor circuit (SPEC S5): sign(M) from a separate process, applied to every gradient."""
+    enabled: bool = False
+    every: int = 20                 # c: fires at t = 0, c, 2c, ...
+    staleness: int = 20             # K: fire t replays θ(max(0, t−K)) and the batch it generated
+    forecast: bool = False          # replay at θ̂ = θ(t−K) + (K/c)(θ(t−K) − θ(t−K−c)) instead
+    beta_m: float = 0.25            # M ← β_M·M + (1−β_M)·G_anc
+    alpha: float = 0.25             # G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)
+    mode: str = "sync"              # sync: wait for each fire's sign (reproducible) | async: newest published
+    external: bool = False          # the user runs launch/anchor.py (any host); else rank 0 starts it
+    mailbox: str = ""               # directory shared with the anchor; default <run_dir>/anchor
+    timeout: float = 600.0          # sync: seconds to wait for a fire's sign before holding the last one
+    max_restarts: int = 3           # a crashed managed anchor is restarted at most this often
 
 
 @dataclass
@@ -108,6 +126,7 @@ class TwoCircuitConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -146,6 +165,17 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     run = RunConfig(tc=tc, ds=raw, world_size=world_size)
     validate(run)
     return run
+
+
+def load_recipe(ds_config_path: str, overrides: list[str] = ()) -> RunConfig:
+    """`load_config` for a single process outside the trainer's world (the anchor, evaluation):
+    validated as for one data-parallel replica of the recipe's pipeline."""
+    try:
+        block = json.loads(pathlib.Path(ds_config_path).read_text()).get("twocircuit", {})
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--ds-config {ds_config_path}: {e}") from None
+    n_stages = len(merge_twocircuit(block, list(overrides)).model.layers_per_stage)
+    return load_config(ds_config_path, overrides, world_size=n_stages)
 
 
 def merge_twocircuit(block: dict, overrides: list[str]) -> TwoCircuitConfig:
@@ -188,6 +218,11 @@ def validate(run: RunConfig) -> None:
     for key in ("steps", "eval_every"):
         if getattr(tc.train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(tc.train, key)}: must be >= 1")
+    if tc.train.dense_every < 0:
+        raise ConfigError(f"train.dense_every={tc.train.dense_every}: must be >= 0 (0: never)")
+    if tc.train.probe_every < 0:
+        raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
+    _check_anchor(tc.anchor)
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
 
@@ -204,6 +239,21 @@ def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
         raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
+
+
+def _check_anchor(a: AnchorConfig) -> None:
+    if a.every < 1:
+        raise ConfigError(f"anchor.every={a.every}: must be >= 1")
+    if a.staleness < 0:
+        raise ConfigError(f"anchor.staleness={a.staleness}: must be >= 0")
+    if not 0.0 <= a.alpha <= 1.0:
+        raise ConfigError(f"anchor.alpha={a.alpha}: must be in [0, 1]")
+    if not 0.0 <= a.beta_m < 1.0:
+        raise ConfigError(f"anchor.beta_m={a.beta_m}: must be in [0, 1)")
+    if a.mode not in ("sync", "async"):
+        raise ConfigError(f"anchor.mode='{a.mode}': expected sync or async")
+    if a.timeout <= 0:
+        raise ConfigError(f"anchor.timeout={a.timeout}: must be > 0 seconds")
 
 
 def codec_keep(c: CodecConfig, d: int) -> int:

@@ -11,6 +11,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from .anchor.sign import corrected_gradient
 from .codec.boundary import DTYPES, CodecState, cut_layers, top_basis
 from .config import codec_cuts, codec_keep
 from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
@@ -124,12 +125,123 @@ class TrueNormClip:
         return self.last_norm if self.active else float(self.engine.get_global_grad_norm() or float("nan"))
 
 
+class SignCorrection:
+    """The anchor's correction, in the optimizer's step pre-hook (after the clip), on this rank's gradients:
+
+        G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)            (anchor/sign.py)
+
+    `signs` (HF name → bool tensor of the parameter's shape, True where M > 0) is None until the
+    first sign arrives, and the gradient passes unchanged. In plain fp32 the optimizer steps the
+    parameters and each .grad is corrected. Under bf16 and ZeRO-1 it steps flat fp32 partitions;
+    DeepSpeed's `_hp_mapping` on each parameter says which slice of which partition holds which of its
+    elements (hp start, lp start, numel), so every bit lands on its own coordinate. The hook also sums
+    this step's statistics (`take_stats`): sign agreement counts and, when `dense` holds a probe's
+    dense gradient, the dot products behind grad/cos_comp_dense and grad/cos_corrected_dense."""
+
+    def __init__(self, engine, pipe: TwoCircuitPipe, alpha: float):
+        self.engine, self.alpha = engine, alpha
+        named = pipe.hf_parameters_all()
+        tied_copy = pipe.stage_id > 0 and "model.embed_tokens.weight" in named
+        self.name_of = {id(p): n for n, p in named.items()}
+        self.named = named
+        # statistics count each coordinate once: not the tied copy; in fp32 only data-parallel rank 0
+        self.uncounted = {"model.embed_tokens.weight"} if tied_copy else set()
+        self.dp_rank = engine.grid.get_data_parallel_rank()
+        self.signs: dict[str, torch.Tensor] | None = None
+        self.dense: dict[str, torch.Tensor] | None = None
+        self.stats = torch.zeros(7, dtype=torch.float64)   # agree, numel, c·d, c·c, k·d, k·k, d·d
+        self._fragments = None
+        engine.basic_optimizer.register_step_pre_hook(lambda *_: self.apply())
+
+    def fragments(self) -> dict[int, list]:
+        """Flat partition (keyed by its storage) → [(name, hp start, lp start, numel)]; empty in fp32."""
+        if self._fragments is None:
+            self._fragments = defaultdict(list)
+            for n, p in self.named.items():
+                m = getattr(p, "_hp_mapping", None)
+                if m is not None:
+                    self._fragments[m.hp_fragment.untyped_storage().data_ptr()].append(
+                        (n, m.hp_fragment_address.start, m.lp_fragment_address.start, m.lp_fragment_address.numel))
+        return self._fragments
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        frags = self.fragments()
+        for group in self.engine.basic_optimizer.param_groups:
+            for flat in group["params"]:
+                if flat.grad is None:
+                    continue
+                g = flat.grad.view(-1)
+                key = flat.untyped_storage().data_ptr()
+                if key in frags:
+                    for name, hp, lp, n in frags[key]:
+                        self._correct(name, g.narrow(0, hp, n), lp, count=True)
+                elif id(flat) in self.name_of:
+                    self._correct(self.name_of[id(flat)], g, 0, count=self.dp_rank == 0)
+
+    def _correct(self, name: str, g: torch.Tensor, lp: int, count: bool) -> None:
+        count = count and name not in self.uncounted
+        s = self.signs[name].view(-1).narrow(0, lp, g.numel()) if self.signs is not None else None
+        new = corrected_gradient(g, s, self.alpha) if s is not None else g
+        if count:
+            gd = g.double()
+            if s is not None:
+                self.stats[0] += float(((g > 0) == s).sum() + ((g == 0) & s).sum())
+                self.stats[1] += g.numel()
+            if self.dense is not None:
+                d, k = self.dense[name].view(-1).narrow(0, lp, g.numel()).double(), new.double()
+                self.stats[2:] += torch.stack([gd @ d, gd @ gd, k @ d, k @ k, d @ d])
+        if s is not None:
+            g.copy_(new)
+
+    def take_stats(self) -> torch.Tensor:
+        out, self.stats = self.stats, torch.zeros(7, dtype=torch.float64)
+        return out
+
+
 def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1):
     """Yield DeepSpeed's ((ids, attn, sid), labels) micro-batches of `micro` sequences, in order."""
     for i in range(0, r.ids_NT.shape[0], micro):
         s = slice(i, i + micro)
         yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s]),
                (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
+
+
+class _NoOptimizerStep:
+    """A pipeline schedule with its OptimizerStep instructions removed (forward + backward + reductions)."""
+
+    def __init__(self, sched):
+        self.sched = sched
+
+    def num_pipe_buffers(self):
+        return self.sched.num_pipe_buffers()
+
+    def __iter__(self):
+        from deepspeed.runtime.pipe.schedule import OptimizerStep
+        for cmds in self.sched:
+            yield [c for c in cmds if not isinstance(c, OptimizerStep)]
+
+
+def forward_backward(engine, data_iter) -> None:
+    """`train_batch` without the optimizer step: the gradients stay in .grad, reduced over tied copies
+    and data-parallel replicas as DeepSpeed does before a step. Used where a gradient is measured, not
+    applied (the anchor's dense replay, the trainer's dense probe). Drives DeepSpeed's own schedule
+    executor (`_exec_schedule`), the same path `train_batch` takes."""
+    engine.set_dataiterator(data_iter)
+    engine.module.train()
+    engine.total_loss, engine.total_additional_losses, engine._compute_loss = None, None, True
+    engine._exec_schedule(_NoOptimizerStep(engine._train_schedule()))
+
+
+def pipeline_logprobs(engine, loss: PipeLoss, batches, n_micro: int) -> list[torch.Tensor]:
+    """Per-token log π of the targets of `n_micro` micro-batches (last stage; [] elsewhere)."""
+    loss.reset()
+    loss.mode = "logprob"
+    try:
+        engine.eval_batch(batches, num_micro_batches=n_micro, bcast_loss=False)
+    finally:
+        loss.mode = "train"
+    return loss.logps
 
 
 @contextlib.contextmanager

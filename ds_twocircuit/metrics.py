@@ -41,6 +41,35 @@ def finish_mismatch(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def ls_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope dy/dx of the points; nan with fewer than two.
+
+        slope = Σ (x − x̄)(y − ȳ) / Σ (x − x̄)²
+    """
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
+
+
+class Trend:
+    """The running slope per step of one logged metric over its last `window` values: the gap's
+    trend (`rollout_corr/kl_slope`) is what says whether a run is healthy, not the gap's level."""
+
+    def __init__(self, key: str, window: int = 20):
+        self.key, self.window, self.pts = key, window, []
+
+    def update(self, row: dict) -> float | None:
+        """Add the row's value (if it has one); → the slope over the window, None before two points."""
+        if self.key in row:
+            self.pts = (self.pts + [(row["step"], row[self.key])])[-self.window:]
+        if len(self.pts) < 2:
+            return None
+        return ls_slope([p[0] for p in self.pts], [p[1] for p in self.pts])
+
+
 class RunLogger:
     """One flat namespaced dict per step → metrics.jsonl (+ wandb). Rank 0 only; others get `None`."""
 
@@ -56,6 +85,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
                             for k, v in row.items()}, step=row["step"])
+
+    def rows(self, file: str = "metrics.jsonl") -> list[dict]:
+        path = self.run_dir / file
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
     def close(self) -> None:
         if self.wandb is not None:

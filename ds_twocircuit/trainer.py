@@ -3,8 +3,13 @@
     prompts ─► sampler (dense θ_t, rank 0) ─► completions + sampler log-probs ─► verifier ─► rewards
             ─► group advantages ─► broadcast to all stages
             ─► pipeline eval: reference log-probs (base weights), old log-probs (when > 1 update)
-            ─► pipeline train_batch per PPO mini-batch (true-norm clip) ─► optimizer ─► θ_{t+1}
+            ─► pipeline train_batch per PPO mini-batch (true-norm clip, then the anchor's sign
+               correction, in the optimizer's pre-hook) ─► optimizer ─► θ_{t+1}
             ─► dense weights gathered from the stages to the sampler
+
+With the anchor on, rank 0 also ships θ(t) and the batch at the steps the fire schedule replays, and
+every rank switches to a newly published sign(M) at the same step (anchor/link.py). Every
+`probe_every` steps a codec-off probe measures the dense view of the same batch.
 
 A "step" is one rollout iteration; at the default one PPO mini-batch it is one optimizer step.
 The sampler lives on global rank 0 beside stage 0; the other ranks wait in the next collective
@@ -22,11 +27,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import engine as eng
+from .anchor.link import AnchorLink
 from .config import RunConfig, to_yaml
 from .data import build_task
 from .grpo.advantages import group_advantages
 from .grpo.rollouts import Rollout
-from .metrics import RunLogger, finish_mismatch, mismatch_sums
+from .metrics import RunLogger, Trend, finish_mismatch, mismatch_sums
 from .model.weights import write_index, write_stage_shard
 from .sampler.hf import HFSampler, greedy_accuracy
 
@@ -55,6 +61,18 @@ class Trainer:
             self.shapes = self.sampler.state_shapes()
             self.logger = RunLogger(run_dir, {"twocircuit": to_plain(self.tc), **run.ds},
                                     self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
+            self.trends = {"rollout_corr/kl_slope": Trend("rollout_corr/kl"),
+                           "probe/kl_slope": Trend("probe/actor/kl_loss")}
+            for old in self.logger.rows():   # a resumed run continues its windows
+                for t in self.trends.values():
+                    t.update(old)
+        self.correction = eng.SignCorrection(self.engine, self.pipe, self.tc.anchor.alpha)
+        self.anchor = None
+        if self.tc.anchor.enabled:
+            anchor_cfg = {"train_micro_batch_size_per_gpu": self.micro, "optimizer": run.ds.get("optimizer"),
+                          "twocircuit": to_plain(self.tc)}
+            self.anchor = AnchorLink(self.tc, run_dir, self.engine, self.pipe, self.correction,
+                                     json.dumps(anchor_cfg, indent=1), self.shapes if self.rank0 else None)
         if resume:
             self.sync_sampler()
 
@@ -66,6 +84,10 @@ class Trainer:
         for t in tqdm(range(self.start, steps), desc="grpo", initial=self.start, total=steps, disable=not self.rank0):
             row = self.step(t)
             if self.rank0:
+                for key, trend in self.trends.items():
+                    slope = trend.update(row)
+                    if slope is not None:
+                        row[key] = slope
                 self.logger.log(row)
             done = t + 1
             if done % self.tc.train.eval_every == 0 or done == steps:
@@ -73,6 +95,8 @@ class Trainer:
             if (self.tc.train.save_every and done % self.tc.train.save_every == 0) or done == steps:
                 self.save_checkpoint(done)
         self.export_hf(self.run_dir / "model")
+        if self.anchor:
+            self.anchor.close()
         if self.rank0:
             self.logger.close()
 
@@ -80,13 +104,29 @@ class Trainer:
         t0 = time.perf_counter()
         rollout = self.rollout(t)
         t1 = time.perf_counter()
-        mine = self.dp_slice(rollout)
-        metrics = self.update(t, mine)
+        anchor = {}
+        if self.anchor:
+            if self.rank0:
+                self.anchor.ship(t, dict(self.sampler.model.named_parameters()), rollout)
+            anchor = self.anchor.adopt(t)
         t2 = time.perf_counter()
-        sync_bytes = self.sync_sampler()
+        mine = self.dp_slice(rollout)
+        probe = self.probe(mine) if self.tc.train.probe_every and t % self.tc.train.probe_every == 0 else None
+        dense_step = bool(self.tc.train.dense_every) and (t + 1) % self.tc.train.dense_every == 0
+        self.codec.enabled = not dense_step   # dense step injection: every pass of this step uncompressed
+        try:
+            metrics = self.update(t, mine, probe)
+        finally:
+            self.codec.enabled = True
+        metrics["train/dense_step"] = float(dense_step)
         t3 = time.perf_counter()
-        metrics.update({"timing/gen": t1 - t0, "timing/train": t2 - t1, "timing/sync": t3 - t2,
-                        "timing/step": t3 - t0, "sync/bytes": sync_bytes})
+        sync_bytes = self.sync_sampler()
+        if self.anchor:
+            self.anchor.collect()
+        t4 = time.perf_counter()
+        metrics.update(anchor)
+        metrics.update({"timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2,
+                        "timing/sync": t4 - t3, "timing/step": t4 - t0, "sync/bytes": sync_bytes})
         return {"step": t + 1, **metrics}
 
     # ---- sampling ---------------------------------------------------------------------------
@@ -132,7 +172,36 @@ class Trainer:
         return out
 
     # ---- training ---------------------------------------------------------------------------
-    def update(self, t: int, minibatches: list[tuple[Rollout, float]]) -> dict:
+    def probe(self, minibatches: list[tuple[Rollout, float]]) -> dict:
+        """Codec off, current weights, the step's first mini-batch (same codec step as the update):
+        the dense log-probs of the sampled tokens (→ probe/rollout_corr/*, the mismatch without the
+        codec's part) and, in plain fp32, the dense gradient, which the correction hook compares with
+        the compressed and the corrected one (grad/cos_*). Its passes' wire bytes are kept apart."""
+        mb, ntok = minibatches[0]
+        z = torch.zeros_like(mb.resp_NT1)
+        dense_view = {}
+        self.codec.enabled = False
+        try:
+            self.reset_shape_if_changed(mb.ids_NT.shape[1])
+            dense = self.logprobs(mb)
+            if not self.correction.fragments():
+                ref = self.logprobs(mb, self.base) if self.tc.grpo.kl_coef > 0 else z
+                self.loss.reset()
+                self.loss.mode, self.loss.old_is_current = "train", True
+                self.loss.scale = self.engine.gradient_accumulation_steps() * self.run_cfg.dp
+                eng.forward_backward(self.engine, eng.micro_batches(mb, self.micro, mb.resp_NT1 / max(ntok, 1.0), z, ref))
+                self.correction.dense = {n: p.grad.detach().clone() for n, p in self.correction.named.items()}
+                dense_view = {k: self.loss.sums[k] for k in PROBE_VIEW}   # KL to the reference, entropy: dense
+                for p in self.pipe.parameters():
+                    p.grad = None
+        finally:
+            self.codec.enabled = True
+        fwd, _ = self.wire.take()
+        self.codec.take_counters()
+        sums = mismatch_sums(mb.sampler_logp_NT1, dense, mb.resp_NT1 / max(ntok, 1.0)) if self.last_stage else {}
+        return {"sums": {**sums, **dense_view}, "bytes": fwd, "keys": MISMATCH + (PROBE_VIEW if dense_view else [])}
+
+    def update(self, t: int, minibatches: list[tuple[Rollout, float]], probe: dict | None = None) -> dict:
         """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t."""
         g = self.tc.grpo
         self.codec.step = t
@@ -150,17 +219,20 @@ class Trainer:
             for (mb, ntok), old, ref in zip(minibatches, olds, refs):
                 w = mb.resp_NT1 / max(ntok, 1.0)
                 self.engine.train_batch(iter(eng.micro_batches(mb, self.micro, w, old, ref)))
+                self.correction.dense = None   # the probe's gradient is of the first mini-batch
                 norms.append(self.engine.true_norm_clip.norm())
         if on_policy:
             olds = [torch.cat(self.loss.logps)] if self.last_stage else olds
-        return self.reduce_metrics(minibatches, olds, norms, eval_payload)
+        return self.reduce_metrics(minibatches, olds, norms, eval_payload, probe)
 
     def reset_shape_if_changed(self, seq_len: int) -> None:
         """DeepSpeed sizes its receive buffers from the first send (about 1 KB of shape metadata per
-        cut) and reuses them; a step whose padded length differs must reset them on every rank."""
-        if seq_len != self.wire_shape:
+        cut) and reuses them; a step whose padded length (or codec on/off) differs must reset them on
+        every rank."""
+        key = (seq_len, self.codec.enabled)
+        if key != self.wire_shape:
             self.engine.reset_activation_shape()
-            self.wire_shape = seq_len
+            self.wire_shape = key
 
     def logprobs(self, mb: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """log π(target) of every sequence through the pipeline (current or given weights), last stage."""
@@ -177,7 +249,7 @@ class Trainer:
         self.loss.mode = "train"
         return torch.cat(self.loss.logps) if self.last_stage else z
 
-    def reduce_metrics(self, minibatches, olds, norms, eval_payload) -> dict:
+    def reduce_metrics(self, minibatches, olds, norms, eval_payload, probe) -> dict:
         """Sum the last stages' token-mean sums over the world, finish the means on rank 0."""
         g = self.tc.grpo
         n_updates = g.ppo_mini_batches * g.ppo_epochs
@@ -186,19 +258,39 @@ class Trainer:
         for (mb, _), old in zip(minibatches, olds):
             for k, v in mismatch_sums(mb.sampler_logp_NT1, old, mb.resp_NT1 / max(total, 1.0)).items():
                 sums[k] = sums.get(k, 0.0) + v
-        keys = sorted(KEYS)
+        if probe is not None:
+            sums.update({"probe/" + k: v for k, v in probe["sums"].items()})
+        keys = sorted(KEYS) + (sorted("probe/" + k for k in probe["keys"]) if probe is not None else [])
         vec = torch.tensor([float(sums.get(k, 0.0)) if self.last_stage else 0.0 for k in keys], dtype=torch.float64)
         S = self.pipe.num_stages
-        vec = torch.cat([vec, self.weight_movement(), self.wire_vector(eval_payload)])
+        extra = torch.tensor([float(probe["bytes"]) if probe is not None else 0.0], dtype=torch.float64)
+        vec = torch.cat([vec, self.correction.take_stats(), extra, self.weight_movement(), self.wire_vector(eval_payload)])
         dist.all_reduce(vec)
         out = dict(zip(keys, vec[:len(keys)].tolist()))
+        if probe is not None:
+            dense = finish_mismatch({k[6:]: out.pop(k) for k in list(out) if k.startswith("probe/")})
+            out.update({"probe/" + k: v for k, v in dense.items()})
         out = finish_mismatch(out)
-        out.update(self.movement_metrics(vec[len(keys):len(keys) + 4 * S]))
-        out.update(self.wire_metrics(vec[len(keys) + 4 * S:]))
+        i = len(keys)
+        out.update(self.correction_metrics(vec[i:i + 7], probe is not None and not self.correction.fragments()))
+        if probe is not None:
+            out["probe/bytes_fwd"] = float(vec[i + 7])
+        i += 8
+        out.update(self.movement_metrics(vec[i:i + 4 * S]))
+        out.update(self.wire_metrics(vec[i + 4 * S:]))
         rewards = torch.cat([mb.rewards_N for mb, _ in minibatches])
         lengths = torch.cat([mb.resp_NT1.sum(1) for mb, _ in minibatches])
         out.update({"critic/score/mean": float(rewards.mean()), "response_length/mean": float(lengths.mean()),
                     "actor/grad_norm": float(np.mean(norms)), "actor/lr": self.engine.get_lr()[0]})
+        return out
+
+    def correction_metrics(self, v: torch.Tensor, probed: bool) -> dict:
+        """anchor/sign_agreement (when a sign is held) and, on probe steps, the gradient cosines."""
+        agree, n, cd, cc, kd, kk, dd = v.tolist()
+        out = {"anchor/sign_agreement": agree / n} if n > 0 else {}
+        if probed and cc > 0 and dd > 0:
+            out["grad/cos_comp_dense"] = cd / (cc * dd) ** 0.5
+            out["grad/cos_corrected_dense"] = kd / (kk * dd) ** 0.5
         return out
 
     def wire_vector(self, eval_payload: tuple[int, int]) -> torch.Tensor:
@@ -291,6 +383,8 @@ class Trainer:
             write_index(out_dir, self.pipe.hf_names_per_stage(), self.pipe.config, self.model_dir)
 
 
+PROBE_VIEW = ["actor/kl_loss", "actor/entropy"]
+MISMATCH = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/prob_diff_mean", "_ps", "_pt", "_ps2", "_pt2", "_pspt"]
 KEYS = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
         "actor/pg_clipfrac_dual", "actor/entropy", "rollout_corr/kl", "rollout_corr/k3_kl",
         "rollout_corr/prob_diff_mean", "_ps", "_pt", "_ps2", "_pt2", "_pspt"]

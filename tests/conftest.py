@@ -15,8 +15,10 @@ TINY = ROOT / "tests" / "configs" / "tiny.json"
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """A private model cache: the tests build their own small embedded model (about 10 s)."""
-    d = tmp_path_factory.mktemp("cache")
+    """A private model cache: the tests build their own small embedded model (about 10 s).
+    DS_TWOCIRCUIT_TEST_CACHE names a directory to keep it in between sessions (local iteration)."""
+    keep = os.environ.get("DS_TWOCIRCUIT_TEST_CACHE")
+    d = pathlib.Path(keep) if keep else tmp_path_factory.mktemp("cache")
     os.environ["DS_TWOCIRCUIT_CACHE"] = str(d)
     return d
 
@@ -35,12 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True):
-    """`deepspeed --num_gpus N launch/train.py ...` as a user runs it; → CompletedProcess."""
+def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False):
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
            str(ROOT / "launch" / "train.py"), "--ds-config", str(config), "--run-dir", str(run_dir)]
     cmd += (["--resume"] if resume else []) + list(overrides)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return cmd, {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True):
+    """`deepspeed --num_gpus N launch/train.py ...` as a user runs it; → CompletedProcess."""
+    cmd, env = launch_cmd(nprocs, run_dir, *overrides, config=config, resume=resume)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"launch failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")

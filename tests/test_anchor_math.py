@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ds_twocircuit.anchor.forecast import forecast, forecast_steps, is_fire_step, weights_step
+from ds_twocircuit.anchor.forecast import forecast, fires_replaying, forecast_steps, is_fire_step, weights_step
 from ds_twocircuit.anchor.sign import corrected_gradient, pack_signs, sign_agreement, unpack_signs
 
 
@@ -56,6 +56,21 @@ def test_staleness_contract():
     assert forecast_steps(40, 20, 20) == (20, 0)
     assert forecast_steps(60, 20, 20) == (40, 20)
     assert forecast_steps(60, 10, 20) == (50, 30)
+
+
+def test_shipping_schedule_matches_the_contract():
+    """The trainer ships θ(t) for exactly the fires whose weights step is t, each fire once."""
+    for c, K, steps in [(20, 20, 100), (20, 10, 100), (10, 20, 100), (1, 1, 10), (2, 0, 9), (3, 7, 40)]:
+        shipped = {t: fires_replaying(t, c, K, steps) for t in range(steps)}
+        fires = sorted(f for fs in shipped.values() for f in fs)
+        assert fires == list(range(0, steps, c)), (c, K)
+        for t, fs in shipped.items():
+            assert all(weights_step(f, K) == t for f in fs)
+    assert fires_replaying(0, 20, 20, 100) == [0, 20]
+    assert fires_replaying(20, 20, 20, 100) == [40]
+    assert fires_replaying(80, 20, 20, 100) == []          # fire 100 is past the run
+    assert fires_replaying(5, 10, 5, 100) == [10]
+    assert fires_replaying(0, 10, 5, 100) == [0]
 
 
 def test_forecast_secant():

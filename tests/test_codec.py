@@ -164,3 +164,29 @@ def test_lowrank_projector():
 
 def test_cut_layers():
     assert cut_layers([4, 4, 4, 4, 3, 3, 3, 3]) == [3, 7, 11, 15, 18, 21, 24]
+
+
+def test_generation_through_codec_keep_all_is_dense(tiny_model):
+    """The inference-time check's hooks: keep-all PRF leaves the logits bitwise dense (left padding
+    and positions included); a 25 % PRF or a rank-k static basis changes them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_twocircuit.codec.boundary import CodecState
+    from ds_twocircuit.codec.inference import static_bases, through_codec
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.padding_side = "left"
+    enc = tok(["12+3*4=", "7+1*1=15"], return_tensors="pt", padding=True, add_special_tokens=False)
+    d, cuts = model.config.hidden_size, frozenset(range(model.config.num_hidden_layers - 1))
+    with torch.no_grad():
+        dense = model(**enc).logits
+        with through_codec(model, CodecState(name="prf", d=d, k=d, cuts=cuts)):
+            assert torch.equal(model(**enc).logits, dense)
+        with through_codec(model, CodecState(name="prf", d=d, k=d // 4, cuts=cuts)):
+            assert not torch.allclose(model(**enc).logits, dense, atol=1e-3)
+        low = CodecState(name="lowrank", d=d, k=4, cuts=cuts)
+        for layer, q in static_bases(model, enc, sorted(cuts), 4).items():
+            low.set_basis(layer, q)
+        with through_codec(model, low):
+            assert not torch.allclose(model(**enc).logits, dense, atol=1e-3)
+        assert torch.equal(model(**enc).logits, dense)          # hooks removed on exit

@@ -28,6 +28,11 @@ def write(tmp_path, mutate):
     (lambda c: None, ["grpo.ppo_mini_batches=3"], "grpo.ppo_mini_batches=3"),
     (lambda c: None, ["codec.name=zip"], "codec.name"),
     (lambda c: None, ["train.steps=many"], "train.steps"),
+    (lambda c: None, ["anchor.mode=sometimes"], "anchor.mode"),
+    (lambda c: None, ["anchor.every=0"], "anchor.every"),
+    (lambda c: None, ["anchor.alpha=1.5"], "anchor.alpha"),
+    (lambda c: None, ["anchor.beta_m=1"], "anchor.beta_m"),
+    (lambda c: None, ["anchor.staleness=-1"], "anchor.staleness"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:
@@ -53,3 +58,16 @@ def test_launcher_fails_fast_with_one_line(tmp_path, override):
     assert p.returncode != 0 and len(lines) == 1, p.stdout + p.stderr
     assert elapsed < 10, f"took {elapsed:.1f}s"
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_recipes_are_valid(path):
+    """Every recipe in ds_configs/ loads; one naming a model that is not on this machine (the 1.5B
+    recipe) is checked as far as it can be without it: our block's schema and DeepSpeed's keys."""
+    from ds_twocircuit.config import check_deepspeed_keys, merge_twocircuit
+    raw = json.loads(path.read_text())
+    block = raw.pop("twocircuit")
+    tc = merge_twocircuit(block, [])
+    check_deepspeed_keys(raw)
+    if not tc.model.path:
+        load_config(str(path), [], world_size=8)

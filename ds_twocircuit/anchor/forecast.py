@@ -21,6 +21,12 @@ def weights_step(t: int, staleness: int) -> int:
     return max(0, t - staleness)
 
 
+def fires_replaying(t: int, every: int, staleness: int, steps: int) -> list[int]:
+    """Fires f < steps whose weights step is t: the trainer ships θ(t) and batch t for exactly these."""
+    cands = range(0, min(staleness, steps - 1) + 1, every) if t == 0 else [t + staleness]
+    return [f for f in cands if is_fire_step(f, every) and f < steps and weights_step(f, staleness) == t]
+
+
 def forecast_steps(t: int, staleness: int, every: int) -> tuple[int, int | None]:
     """(newer, older) checkpoint steps of the secant at fire t; older is None when it does not exist."""
     newer = weights_step(t, staleness)

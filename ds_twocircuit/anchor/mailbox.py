@@ -2,9 +2,14 @@
 
 Layout under the mailbox directory (any file transport can carry it between hosts):
 
-    theta/step{t:08d}/stage{s}.safetensors  + stage{s}.json   θ(t) of stage s, HF names
-    batch/step{t:08d}.safetensors           + .json           the rollout batch θ(t) generated
-    sign/step{t:08d}/stage{s}.sign                            sign(M) bits of stage s, with header
+    config.json                             the trainer's config (the anchor's loss, model, β_M)
+    fire/step{f:08d}.json                   request: fire f, its weights step s, the forecast's older step
+    theta/step{s:08d}/stage{i}.safetensors  + stage{i}.json   θ(s) of stage i, HF names, stage order
+    batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
+    sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
+    sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
+    state/M.safetensors                     + .json           the anchor's M (and bases) after its newest fire
+    STOP                                                      the trainer is done: the anchor exits
 
 A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
 checks all three and raises `MailboxError` naming the file. A sign file is a fixed 96-byte header
@@ -49,6 +54,59 @@ def layout_digest(shapes: dict[str, tuple]) -> bytes:
     """sha256 of the ordered (name, shape) list: both ends must agree on the parameter layout."""
     text = ";".join(f"{n}:{','.join(map(str, s))}" for n, s in shapes.items())
     return hashlib.sha256(text.encode()).digest()
+
+
+# ---- paths and requests ------------------------------------------------------------------
+def theta_path(root: pathlib.Path, step: int, stage: int) -> pathlib.Path:
+    return root / "theta" / f"step{step:08d}" / f"stage{stage}.safetensors"
+
+
+def batch_path(root: pathlib.Path, step: int) -> pathlib.Path:
+    return root / "batch" / f"step{step:08d}.safetensors"
+
+
+def sign_dir(root: pathlib.Path, fire: int) -> pathlib.Path:
+    return root / "sign" / f"step{fire:08d}"
+
+
+def state_path(root: pathlib.Path) -> pathlib.Path:
+    return root / "state" / "M.safetensors"
+
+
+def steps_in(d: pathlib.Path, suffix: str = "") -> list[int]:
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name[4:len(p.name) - len(suffix)]) for p in d.iterdir()
+                  if p.name.startswith("step") and p.name.endswith(suffix) and p.name[4:len(p.name) - len(suffix)].isdigit())
+
+
+def published_fires(root: pathlib.Path) -> list[int]:
+    """Fires whose sign directory is in place (it is renamed in whole, so present means complete)."""
+    return steps_in(root / "sign")
+
+
+def write_request(root: pathlib.Path, request: dict) -> None:
+    _atomic_write(root / "fire" / f"step{request['fire']:08d}.json", json.dumps(request).encode())
+
+
+def pending_requests(root: pathlib.Path, after: int) -> list[dict]:
+    """Requests for fires later than `after`, in fire order."""
+    out = []
+    for f in steps_in(root / "fire", ".json"):
+        if f > after:
+            try:
+                out.append(json.loads((root / "fire" / f"step{f:08d}.json").read_text()))
+            except json.JSONDecodeError as e:
+                raise MailboxError(f"fire request {f}: corrupt ({e})") from None
+    return out
+
+
+def manifest_shapes(path: pathlib.Path) -> dict[str, tuple]:
+    """The tensor names of a shipped file in the order they were written, with their shapes."""
+    try:
+        return {n: tuple(s) for n, s in json.loads(path.with_suffix(".json").read_text())["shapes"].items()}
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise MailboxError(f"{path}: unreadable manifest ({e})") from None
 
 
 # ---- tensors (θ and rollout batches) -------------------------------------------------------

@@ -199,6 +199,22 @@ class TwoCircuitPipe(PipelineModule):
                 out.update(m.hf_parameters())
         return out
 
+    def hf_parameters_all(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter this rank holds under its HF name, the tied head's copy included."""
+        out = {}
+        for m in self.modules():
+            if isinstance(m, (Embed, Decoder, FinalNorm, LMHead)):
+                out.update(m.hf_parameters())
+        return out
+
+    def sign_names(self, stage: int) -> list[str]:
+        """The HF names whose gradients `stage` corrects, in order: its own, then the tied head's copy
+        of the embedding on the last stage (it must move exactly like stage 0's)."""
+        names = list(self.hf_names_per_stage()[stage])
+        if stage == self.num_stages - 1 and stage > 0 and self.config.tie_word_embeddings:
+            names.append("model.embed_tokens.weight")
+        return names
+
     def hf_names_per_stage(self) -> list[list[str]]:
         """HF names each stage owns, derived from the split (the same on every rank)."""
         cfg, out = self.config, []

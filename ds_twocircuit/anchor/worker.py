@@ -1,0 +1,242 @@
+"""The anchor process: dense replays of shipped (θ, batch) pairs → the memory M → sign(M) per stage.
+
+One process with its own one-stage DeepSpeed pipeline engine in its own torch.distributed world of
+size 1 (it never joins the trainer's: DeepSpeed's pipeline barriers would couple the two). It serves
+the mailbox directory (layout in mailbox.py); any file transport can carry that directory between
+hosts. For each fire request, in fire order:
+
+    θ      ← θ(s), s = max(0, f − K)                 (or θ̂ = θ(s) + (K/c)(θ(s) − θ(s−c)): forecast)
+    G_anc  ← ∇ of the GRPO loss on the batch θ(s) generated, codec off, one forward + backward,
+             reference = the base model, no optimizer step
+    M      ← β_M·M + (1 − β_M)·G_anc                 (fp32, per tensor; M = 0 before the first fire)
+    out    ← sign(M), 1 bit per parameter, one file per trainer stage (sign.py, mailbox.py)
+
+With the lowrank codec each cut's basis is refreshed from the replay's activations X at that cut by
+one subspace iteration, Q ← orth(Xᵀ(X·Q)) (the first fire takes X's top-k right singular vectors),
+and shipped beside the sign. M and the bases are saved after every fire (state/M.safetensors), so a
+restarted anchor resumes where it stopped.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+import torch
+
+from .. import engine as eng
+from ..codec.boundary import top_basis
+from ..grpo.rollouts import Rollout
+from ..model.pipe import Decoder
+from . import mailbox as mb
+from .forecast import forecast
+from .sign import pack_signs
+
+
+class AnchorWorker:
+    def __init__(self, root: pathlib.Path, model_dir: str, tc, ds: dict):
+        self.root, self.tc = pathlib.Path(root), tc
+        one = copy.deepcopy(tc)
+        one.model.layers_per_stage = [sum(tc.model.layers_per_stage)]
+        one.codec.name = "dense"
+        n = tc.grpo.prompts_per_step * tc.grpo.group_size
+        self.micro = math.gcd(n, ds.get("train_micro_batch_size_per_gpu", n))
+        ds1 = {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": n // self.micro,
+               "train_batch_size": n, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
+               "optimizer": ds.get("optimizer", {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}})}
+        self.engine, self.pipe, self.loss = eng.build_engine(model_dir, one, ds1)
+        self.params = self.pipe.hf_parameters()
+        self.base = [p.detach().clone() for p in self.pipe.parameters()]
+        self.cuts = sorted(set(eng.build_codec(tc, self.pipe.config.hidden_size).cuts))
+        self.k = eng.build_codec(tc, self.pipe.config.hidden_size).k
+        self.M: dict[str, torch.Tensor] = {}
+        self.bases: dict[int, torch.Tensor] = {}
+        self.done = -1
+        self._load_state()
+
+    # ---- state ------------------------------------------------------------------------------
+    def _load_state(self) -> None:
+        path = mb.state_path(self.root)
+        if not path.is_file():
+            return
+        step = json.loads(path.with_suffix(".json").read_text())["step"]
+        saved = mb.read_tensors(path, step)
+        self.M = {n: t for n, t in saved.items() if not n.startswith("basis.")}
+        self.bases = {int(n.split("cut")[1]): t for n, t in saved.items() if n.startswith("basis.")}
+        self.done = step
+        log(f"resumed M from {path} (fire {step}, {len(self.M)} tensors)")
+
+    def _save_state(self, fire: int) -> None:
+        mb.write_tensors(mb.state_path(self.root), fire,
+                         {**self.M, **{f"basis.cut{l}": q for l, q in self.bases.items()}})
+
+    # ---- serving ----------------------------------------------------------------------------
+    def serve(self, parent_pid: int | None = None, poll: float = 0.1) -> None:
+        """Answer requests until the trainer writes STOP (or, when started by it, the trainer dies).
+        A STOP older than this process is a finished earlier run's, and is ignored."""
+        stop, started = self.root / "STOP", time.time()
+        while not (stop.exists() and stop.stat().st_mtime >= started):
+            if parent_pid and not _alive(parent_pid):
+                log(f"trainer (pid {parent_pid}) is gone: exiting")
+                return
+            for req in mb.pending_requests(self.root, self.done):
+                try:
+                    self.fire(req)
+                except mb.MailboxError as e:   # inputs missing or corrupt: skip this fire, keep serving
+                    log(f"fire {req['fire']} skipped: {e}")
+                    self.done = req["fire"]
+            time.sleep(poll)
+        log("STOP found: exiting")
+
+    def fire(self, req: dict) -> None:
+        t0 = time.perf_counter()
+        f, s, stages = req["fire"], req["weights_step"], req["stages"]
+        layouts = [mb.manifest_shapes(mb.theta_path(self.root, s, i)) for i in range(stages)]
+        theta = {}
+        for i, shapes in enumerate(layouts):
+            theta.update(mb.read_tensors(mb.theta_path(self.root, s, i), s, shapes))
+        if req.get("older_step") is not None:
+            o, older = req["older_step"], {}
+            for i, shapes in enumerate(layouts):
+                older.update(mb.read_tensors(mb.theta_path(self.root, o, i), o, shapes))
+            theta = forecast(theta, older, req["staleness"], req["every"])
+        batch = Rollout(**mb.read_tensors(mb.batch_path(self.root, s), s))
+        g = self.gradient(theta, batch)
+        b = self.tc.anchor.beta_m
+        for n, t in g.items():
+            self.M[n] = b * self.M[n] + (1 - b) * t if n in self.M else (1 - b) * t
+        self._publish(f, layouts)
+        self._save_state(f)
+        self.done = f
+        log(f"fire {f}: replayed θ({s}){' forecast from ' + str(req['older_step']) if req.get('older_step') is not None else ''}"
+            f" on {batch.ids_NT.shape[0]} sequences in {time.perf_counter() - t0:.2f} s")
+
+    @torch.no_grad()
+    def _load(self, theta: dict[str, torch.Tensor]) -> None:
+        missing = self.params.keys() - theta.keys()
+        if missing:
+            raise mb.MailboxError(f"shipped θ lacks {sorted(missing)[:3]}...")
+        for n, p in self.params.items():
+            p.copy_(theta[n])
+
+    def gradient(self, theta: dict[str, torch.Tensor], r: Rollout) -> dict[str, torch.Tensor]:
+        """G_anc: the dense gradient of the trainer's GRPO loss (token mean over the batch) at θ."""
+        self._load(theta)
+        n_micro = r.ids_NT.shape[0] // self.micro
+        z = torch.zeros_like(r.resp_NT1)
+        ref = z
+        if self.tc.grpo.kl_coef > 0:
+            with eng.swapped_weights(self.pipe, self.base):
+                ref = torch.cat(eng.pipeline_logprobs(self.engine, self.loss, eng.micro_batches(r, self.micro, z, z, z), n_micro))
+        self.loss.reset()
+        self.loss.mode, self.loss.old_is_current = "train", True
+        self.loss.scale = self.engine.gradient_accumulation_steps()
+        w = r.resp_NT1 / max(r.num_response_tokens, 1.0)
+        acts: dict = {}
+        hooks = self._record(acts)
+        try:
+            eng.forward_backward(self.engine, eng.micro_batches(r, self.micro, w, z, ref))
+        finally:
+            for h in hooks:
+                h.remove()
+        out = {n: p.grad.detach().float().clone() for n, p in self.params.items()}
+        for p in self.pipe.parameters():
+            p.grad = None
+        self._refresh_bases(acts)
+        return out
+
+    def _record(self, acts: dict) -> list:
+        """Forward hooks that keep each cut's activations (lowrank only)."""
+        if self.tc.codec.name != "lowrank":
+            return []
+        hooks = []
+        for m in self.pipe.modules():
+            if isinstance(m, Decoder) and m.layer_idx in self.cuts:
+                hooks.append(m.register_forward_hook(
+                    lambda mod, inp, out: acts.setdefault(mod.layer_idx, []).append(
+                        out[0].detach().reshape(-1, out[0].shape[-1]))))
+        return hooks
+
+    def _refresh_bases(self, acts: dict) -> None:
+        for layer, xs in acts.items():
+            x = torch.cat(xs).double()
+            x = x[x.abs().sum(-1) > 0]
+            if layer not in self.bases:
+                self.bases[layer] = top_basis(x, self.k)
+            else:
+                q, _ = torch.linalg.qr(x.T @ (x @ self.bases[layer].double()))
+                self.bases[layer] = q.float().contiguous()
+
+    def _publish(self, fire: int, layouts: list[dict]) -> None:
+        """Write sign(M) per stage (and the bases) into a hidden directory, then rename it into place."""
+        final = mb.sign_dir(self.root, fire)
+        tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for i, shapes in enumerate(layouts):
+            flat = torch.cat([self.M[n].reshape(-1) for n in shapes])
+            mb.write_sign(tmp / f"stage{i}.sign", fire, i, shapes, pack_signs(flat), flat.numel())
+        if self.bases:
+            mb.write_tensors(tmp / "bases.safetensors", fire, {f"cut{l}": q for l, q in self.bases.items()})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def log(msg: str) -> None:
+    print(f"[anchor {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main(argv=None) -> None:
+    """`python launch/anchor.py --mailbox DIR [--ds-config FILE] [key=value ...]`."""
+    p = argparse.ArgumentParser(description="the dense anchor process: serves a trainer's mailbox")
+    p.add_argument("--mailbox", required=True, help="the run's anchor directory (anchor.mailbox)")
+    p.add_argument("--ds-config", default=None, help="default: <mailbox>/config.json, written by the trainer")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)   # set by a managing trainer
+    p.add_argument("overrides", nargs="*", help="dotted twocircuit keys")
+    args = p.parse_args(argv)
+    root = pathlib.Path(args.mailbox)
+    cfg = args.ds_config or str(root / "config.json")
+    if not args.ds_config and not pathlib.Path(cfg).is_file():
+        log(f"waiting for the trainer to write {cfg}")
+        while not pathlib.Path(cfg).is_file():   # started before the trainer: wait for its config
+            time.sleep(0.5)
+    from ..config import ConfigError, load_recipe
+    try:
+        run = load_recipe(cfg, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())})
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from ..model.tiny import ensure_tiny_model
+    from ..model.weights import resolve_model_dir
+    tc = run.tc
+    model_dir = str(resolve_model_dir(tc.model.path)) if tc.model.path else ensure_tiny_model(tc.model.tiny, tc.data.eval_size)
+    eng.init_distributed()
+    log(f"serving {root} (pid {os.getpid()})")
+    AnchorWorker(root, model_dir, tc, run.ds).serve(args.parent_pid)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Draw the panels users read a run by, runs overlaid: `python launch/plot_run.py RUN_DIR [RUN_DIR ...] [-o out.png]`.
+
+Reads each run's `metrics.jsonl` and `eval.jsonl` (no DeepSpeed, no torch). Panels: reward (moving
+average), held-out accuracy, codec-view entropy and KL to the reference, the train-inference gap on
+sampled tokens, clip fraction, the codec-off probe's drift (dense KL to the reference), and where the
+learning direction comes from (the probe steps' gradient cosines with the dense gradient). A panel
+whose key a run never logged is left empty for that run. Needs matplotlib (`pip install .[plot]`).
+"""
+import argparse
+import json
+import pathlib
+
+PANELS = [
+    ("critic/score/mean", "reward (10-step mean)", 10),
+    ("acc", "held-out greedy accuracy", 0),
+    ("actor/entropy", "entropy (codec view)", 1),
+    ("actor/kl_loss", "k3 KL to reference (codec view)", 1),
+    ("rollout_corr/kl", "train-inference gap (nats/token)", 1),
+    ("actor/pg_clipfrac", "clip fraction", 1),
+    ("probe/actor/kl_loss", "probe: dense KL to reference (true drift)", 0),
+    ("grad/cos_corrected_dense", "cos(corrected grad, dense grad)", 0),
+]
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def series(rows: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def smooth(y: list[float], w: int) -> list[float]:
+    if w <= 1:
+        return y
+    return [sum(y[max(0, i - w + 1):i + 1]) / len(y[max(0, i - w + 1):i + 1]) for i in range(len(y))]
+
+
+def plot(run_dirs: list[pathlib.Path], out: pathlib.Path, labels: list[str] | None = None) -> pathlib.Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
+    for i, d in enumerate(run_dirs):
+        label = labels[i] if labels else d.name
+        metrics, evals = read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "eval.jsonl")
+        for ax, (key, title, w) in zip(axes.flat, PANELS):
+            x, y = series(evals if key == "acc" else metrics, key)
+            if x:
+                ax.plot(x, smooth(y, w), marker="o" if key in ("acc",) or key.startswith(("probe/", "grad/")) else None,
+                        ms=3, lw=1.3, label=label, color=f"C{i}")
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=8)
+            ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=pathlib.Path)
+    p.add_argument("-o", "--out", type=pathlib.Path, default=pathlib.Path("runs/plot.png"))
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+    args = p.parse_args(argv)
+    print(plot(args.runs, args.out, args.labels.split(",") if args.labels else None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The anchor circuit on real launches: 8 DeepSpeed CPU ranks plus the separate anchor process."""
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, TINY, launch, launch_cmd, rows
+from safetensors.torch import load_file
+
+from ds_twocircuit.anchor.mailbox import HEADER_BYTES, published_fires, sign_dir
+
+
+def exported(run_dir) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((pathlib.Path(run_dir) / "model").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_fresh_dense_sign_changes_nothing_bitwise(eight, tmp_path):
+    """Dense codec, the anchor firing every step on the current weights and batch (c = 1, K = 0, sync,
+    β_M = 0 so M is this fire's G_anc alone): sign(M) is then the trainer's own gradient's sign on
+    every coordinate, so the correction must
+    leave the whole run bit for bit equal to the run without the anchor (the `eight` fixture).
+    A sign landing on the wrong coordinate, a wrong stage or a stale fire breaks both checks."""
+    launch(8, tmp_path, "anchor.enabled=true", "anchor.every=1", "anchor.staleness=0", "anchor.beta_m=0",
+           "train.probe_every=1")
+    r = rows(tmp_path)
+    # the fixture probes at step 0 only, this run at every step: equality also shows the dense
+    # probe's forward + backward leaves the trajectory alone
+    assert [x["anchor/sign_agreement"] for x in r] == [1.0] * 4
+    assert [x["anchor/age"] for x in r] == [0.0] * 4 and [x["anchor/fire"] for x in r] == [0.0, 1.0, 2.0, 3.0]
+    ref, got = exported(eight), exported(tmp_path)
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    # a fire's sign file per stage: the fixed header plus ⌈P_stage/8⌉ bytes
+    last = published_fires(tmp_path / "anchor")[-1]
+    for s in range(8):
+        shard = load_file(str(tmp_path / "model" / f"model-{s + 1:05d}-of-00008.safetensors"))
+        p = sum(t.numel() for t in shard.values())
+        assert (sign_dir(tmp_path / "anchor", last) / f"stage{s}.sign").stat().st_size == HEADER_BYTES + math.ceil(p / 8)
+    log = (tmp_path / "anchor" / "anchor.log").read_text()
+    assert "fire 3: replayed θ(3)" in log and "STOP found" in log
+
+
+@pytest.mark.parametrize("precision", ["zero1", "bf16"])
+def test_flat_partitions_get_the_same_bits(tiny_model, tmp_path, precision):
+    """ZeRO-1 and bf16 step flat fp32 partitions: the sign bits must reach each parameter's slice of
+    them. With the fresh own-gradient sign (dense codec, c = 1, K = 0) every coordinate must agree and
+    the run must equal the same precision's run without the anchor (bitwise for ZeRO-1 in fp32; for
+    bf16 the anchor's fp32 signs can differ where the bf16 gradient rounds differently)."""
+    cfg = json.loads(TINY.read_text())
+    cfg.update({"zero_optimization": {"stage": 1}} if precision == "zero1" else {"bf16": {"enabled": True}})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    if precision == "zero1":
+        launch(8, tmp_path / "plain", config=path)
+    launch(8, tmp_path / "anchor", "anchor.enabled=true", "anchor.every=1", "anchor.staleness=0", "anchor.beta_m=0",
+           config=path)
+    r = rows(tmp_path / "anchor")
+    if precision == "zero1":
+        ref, got = exported(tmp_path / "plain"), exported(tmp_path / "anchor")
+        assert [x["anchor/sign_agreement"] for x in r] == [1.0] * 4
+        assert all(torch.equal(ref[n], got[n]) for n in ref)
+    else:
+        assert all(x["anchor/sign_agreement"] > 0.9 for x in r), [x["anchor/sign_agreement"] for x in r]
+
+
+def test_stale_sign_moves_the_run_and_reports_bytes(eight, tmp_path):
+    """The same run with a held, stale sign (c = K = 2) must differ from the plain one, agree on
+    fewer than all coordinates, and count its traffic: θ and the batch up, ⌈P/8⌉ + headers down.
+    The anchor is external here: started by hand, before the trainer, as a user on another host would."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    anchor = subprocess.Popen([sys.executable, str(ROOT / "launch" / "anchor.py"), "--mailbox", str(tmp_path / "anchor")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launch(8, tmp_path, "anchor.enabled=true", "anchor.external=true", "anchor.every=2", "anchor.staleness=2",
+               "train.probe_every=1")
+        out, _ = anchor.communicate(timeout=60)              # the trainer's STOP ends it
+    finally:
+        anchor.kill()
+    assert anchor.returncode == 0 and "fire 2: replayed θ(0)" in out and "STOP found" in out, out[-2000:]
+    r = rows(tmp_path)
+    assert r[0]["anchor/sign_agreement"] == 1.0            # fire 0 replays step 0 itself
+    assert all(x["anchor/sign_agreement"] < 0.99 for x in r[1:])
+    assert [x["anchor/age"] for x in r] == [0.0, 1.0, 2.0, 3.0]
+    ref, got = exported(eight), exported(tmp_path)
+    assert any(not torch.equal(ref[n], got[n]) for n in ref)
+    p_total = sum(t.numel() for t in ref.values())
+    assert r[0]["anchor/bytes_down"] == 8 * HEADER_BYTES + sum(
+        math.ceil(sum(t.numel() for t in load_file(str(f)).values()) / 8)
+        for f in sorted((tmp_path / "model").glob("model-*.safetensors")))
+    assert r[0]["anchor/bytes_up"] > 4 * p_total             # fp32 θ plus the batch
+    assert r[1]["anchor/bytes"] == 0.0                       # nothing crosses between fires
+    # dense codec: the compressed gradient is the dense one; a stale sign pulls the corrected one away
+    assert all(abs(x["grad/cos_comp_dense"] - 1.0) < 1e-6 for x in r)
+    assert all(x["grad/cos_corrected_dense"] < 0.9 for x in r[1:])
+
+
+def test_anchor_killed_mid_run(tiny_model, tmp_path):
+    """SIGKILL the anchor mid-run (async, lowrank codec): the trainer keeps stepping on the held sign
+    and logs its growing age, restarts the anchor, which resumes M and the bases from its state file
+    and catches up; every step is logged and the run ends on its own. The bases the anchor refreshes
+    travel with each sign and are adopted by both ends of every cut (a non-orthonormal or mismatched
+    basis would stop the run)."""
+    steps, c = 40, 4
+    cmd, env = launch_cmd(8, tmp_path, "anchor.enabled=true", f"anchor.every={c}", f"anchor.staleness={c}",
+                          "anchor.mode=async", "codec.name=lowrank", "codec.keep=4", f"train.steps={steps}",
+                          "train.eval_every=100", "train.save_every=0", "train.probe_every=0")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mailbox = tmp_path / "anchor"
+    try:
+        deadline = time.time() + 240
+        while not sign_dir(mailbox, 2 * c).is_dir():
+            assert time.time() < deadline and proc.poll() is None, "the anchor never published fire 8"
+            time.sleep(0.05)
+        os.kill(int((mailbox / "anchor.pid").read_text()), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    r = rows(tmp_path)
+    assert [x["step"] for x in r] == list(range(1, steps + 1))
+    ages = [x["anchor/age"] for x in r if "anchor/age" in x]   # async: no age before the first sign lands
+    normal = c + c - 1                                       # the oldest a sign gets between fires
+    assert len(ages) >= steps - 4 and max(ages) > normal, ages                         # held through the outage
+    assert ages[-1] <= normal, ages                          # caught up after the restart
+    assert r[-1]["anchor/restarts"] == 1.0
+    log = (mailbox / "anchor.log").read_text()
+    assert "resumed M from" in log, log[-2000:]
+    state = json.loads((mailbox / "state" / "M.json").read_text())
+    assert state["step"] == max(f for f in range(0, steps, c))
+    assert sorted(n for n in state["shapes"] if n.startswith("basis.")) == [f"basis.cut{l}" for l in range(7)]
+    last = published_fires(mailbox)[-1]
+    assert (sign_dir(mailbox, last) / "bases.safetensors").is_file()
