@@ -94,16 +94,11 @@ class AnchorWorker:
 
     def fire(self, req: dict) -> None:
         t0 = time.perf_counter()
-        f, s, stages = req["fire"], req["weights_step"], req["stages"]
-        layouts = [mb.manifest_shapes(mb.theta_path(self.root, s, i)) for i in range(stages)]
-        theta = {}
-        for i, shapes in enumerate(layouts):
-            theta.update(mb.read_tensors(mb.theta_path(self.root, s, i), s, shapes))
+        f, s = req["fire"], req["weights_step"]
+        layouts = [mb.manifest_shapes(mb.theta_path(self.root, s, i)) for i in range(req["stages"])]
+        theta = self._read_theta(s, layouts)
         if req.get("older_step") is not None:
-            o, older = req["older_step"], {}
-            for i, shapes in enumerate(layouts):
-                older.update(mb.read_tensors(mb.theta_path(self.root, o, i), o, shapes))
-            theta = forecast(theta, older, req["staleness"], req["every"])
+            theta = forecast(theta, self._read_theta(req["older_step"], layouts), req["staleness"], req["every"])
         batch = Rollout(**mb.read_tensors(mb.batch_path(self.root, s), s))
         g = self.gradient(theta, batch)
         b = self.tc.anchor.beta_m
@@ -112,8 +107,14 @@ class AnchorWorker:
         self._publish(f, layouts)
         self._save_state(f)
         self.done = f
-        log(f"fire {f}: replayed θ({s}){' forecast from ' + str(req['older_step']) if req.get('older_step') is not None else ''}"
-            f" on {batch.ids_NT.shape[0]} sequences in {time.perf_counter() - t0:.2f} s")
+        how = f"θ({s})" if req.get("older_step") is None else f"θ̂ from θ({s}), θ({req['older_step']})"
+        log(f"fire {f}: replayed {how} on {batch.ids_NT.shape[0]} sequences in {time.perf_counter() - t0:.2f} s")
+
+    def _read_theta(self, step: int, layouts: list[dict]) -> dict[str, torch.Tensor]:
+        theta = {}
+        for i, shapes in enumerate(layouts):
+            theta.update(mb.read_tensors(mb.theta_path(self.root, step, i), step, shapes))
+        return theta
 
     @torch.no_grad()
     def _load(self, theta: dict[str, torch.Tensor]) -> None:
