@@ -14,7 +14,8 @@ mailbox. Per step t (before the update):
 A managed anchor (the default) is a child of rank 0 with its own log (`anchor.log`); when it dies the
 trainer keeps the held sign, logs its growing age, and restarts it at the next fire (it resumes M
 from its own state file). An external anchor that does not answer within `anchor.timeout` seconds is
-waited for no longer: the held sign stays.
+waited for no longer: the held sign stays. Rank 0 checks every file of a fire (checksums, layout)
+before the choice is broadcast, so a corrupt or mismatched sign is logged and skipped, never sent.
 """
 import os
 import pathlib
@@ -42,7 +43,8 @@ class AnchorLink:
         self.codec = pipe.codec
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
-        self.held, self.proc, self.restarts, self.waited = -1, None, 0, 0.0
+        self.held, self.proc, self.restarts, self.waited, self.gave_up = -1, None, 0, 0.0, False
+        self.staged = None   # rank 0: (fire, name → bits, bytes read, bases) checked, to send
         self.bytes_up = 0
         if self.rank0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -63,6 +65,8 @@ class AnchorLink:
 
     def _alive(self) -> bool:
         """Managed: the child runs (else restart it, within `max_restarts`). External: always assumed."""
+        if self.gave_up:
+            return False
         if self.proc is None or self.proc.poll() is None:
             return True
         print(f"[anchor] the anchor process exited with {self.proc.returncode}; holding sign of fire {self.held}",
@@ -70,6 +74,10 @@ class AnchorLink:
         if self.restarts < self.a.max_restarts:
             self.restarts += 1
             self._start()
+        else:
+            print(f"[anchor] {self.restarts} restarts used (anchor.max_restarts): training on without new signs",
+                  file=sys.stderr, flush=True)
+            self.gave_up = True
         return False
 
     def close(self) -> None:
@@ -133,7 +141,16 @@ class AnchorLink:
             self._alive()
         self.waited = time.perf_counter() - start
         ready = [f for f in mb.published_fires(self.root) if f <= t]
-        return max(ready) if ready and max(ready) > self.held else self.held
+        if not ready or max(ready) <= self.held:
+            return self.held
+        try:   # check every file before anyone waits for the bits: a bad file is skipped, not fatal
+            f = max(ready)
+            bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.codec.name == "lowrank" else None
+            self.staged = (f, *self._read_stage_bits(f), bases)
+        except mb.MailboxError as e:
+            print(f"[anchor] fire {max(ready)} rejected: {e}; holding fire {self.held}", file=sys.stderr, flush=True)
+            return self.held
+        return max(ready)
 
     def _receive(self, f: int) -> int:
         """Every rank ends with `correction.signs` for fire f; → bytes rank 0 read from the mailbox."""
@@ -142,7 +159,7 @@ class AnchorLink:
         numel = sum(params[n].numel() for n in names)
         read = 0
         if self.rank0:
-            stage_bits, read = self._read_stage_bits(f)
+            _, stage_bits, read, _ = self.staged
             for r in range(1, dist.get_world_size()):
                 s = self._stage_of_rank(r)
                 buf = np.packbits(np.concatenate([stage_bits[n] for n in self.pipe.sign_names(s)]), bitorder="little")
@@ -158,7 +175,7 @@ class AnchorLink:
             off += params[n].numel()
         self.correction.signs = signs
         if self.codec.name == "lowrank":
-            self._receive_bases(f)
+            self._receive_bases()
         return read
 
     def _stage_of_rank(self, r: int) -> int:
@@ -183,14 +200,12 @@ class AnchorLink:
                 out[n], off = flat[off:off + k], off + k
         return out, read
 
-    def _receive_bases(self, f: int) -> None:
+    def _receive_bases(self) -> None:
         from ..engine import broadcast_tensors
         cuts = sorted(self.codec.cuts)
         qs = None
         if self.rank0:
-            path = mb.sign_dir(self.root, f) / "bases.safetensors"
-            got = mb.read_tensors(path, f)
-            qs = [got[f"cut{l}"] for l in cuts]
+            qs = [self.staged[3][f"cut{l}"] for l in cuts]
         for layer, q in zip(cuts, broadcast_tensors(qs, len(cuts))):
             self.codec.set_basis(layer, q)
 
