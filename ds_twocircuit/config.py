@@ -167,6 +167,18 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     return run
 
 
+def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
+    """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line on stderr
+    (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts."""
+    import sys
+    try:
+        return loader(*args)
+    except ConfigError as e:
+        if report:
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def load_recipe(ds_config_path: str, overrides: list[str] = ()) -> RunConfig:
     """`load_config` for a single process outside the trainer's world (the anchor, evaluation):
     validated as for one data-parallel replica of the recipe's pipeline."""

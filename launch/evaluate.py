@@ -30,12 +30,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ds_twocircuit.config import CodecConfig, ConfigError, codec_cuts, load_recipe
-    try:
-        run = load_recipe(args.ds_config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from ds_twocircuit.config import CodecConfig, codec_cuts, load_or_exit, load_recipe
+    run = load_or_exit(load_recipe, args.ds_config, args.overrides)
     import torch
     from tqdm import tqdm
 

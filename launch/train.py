@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
-from ds_twocircuit.config import ConfigError, load_config  # noqa: E402  (light: no torch)
+from ds_twocircuit.config import load_config, load_or_exit  # noqa: E402  (light: no torch)
 
 
 def parse_args(argv=None):
@@ -28,12 +28,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        run = load_config(args.ds_config, args.overrides)
-    except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run = load_or_exit(load_config, args.ds_config, args.overrides, report=int(os.environ.get("RANK", "0")) == 0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
 
     import torch

@@ -46,6 +46,9 @@ class AnchorLink:
         self.held, self.proc, self.restarts, self.waited, self.gave_up = -1, None, 0, 0.0, False
         self.staged = None   # rank 0: (fire, name → bits, bytes read, bases) checked, to send
         self.bytes_up = 0
+        grid = engine.grid
+        self.stage_of_rank = {grid.stage_to_global(stage_id=s, data=d): s
+                              for s in range(grid.pipe_parallel_size) for d in range(grid.data_parallel_size)}
         if self.rank0:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "STOP").unlink(missing_ok=True)
@@ -161,7 +164,7 @@ class AnchorLink:
         if self.rank0:
             _, stage_bits, read, _ = self.staged
             for r in range(1, dist.get_world_size()):
-                s = self._stage_of_rank(r)
+                s = self.stage_of_rank[r]
                 buf = np.packbits(np.concatenate([stage_bits[n] for n in self.pipe.sign_names(s)]), bitorder="little")
                 dist.send(torch.from_numpy(buf), dst=r)
             mine = np.concatenate([stage_bits[n] for n in names])
@@ -177,13 +180,6 @@ class AnchorLink:
         if self.codec.name == "lowrank":
             self._receive_bases()
         return read
-
-    def _stage_of_rank(self, r: int) -> int:
-        grid = self.engine.grid
-        for s in range(grid.pipe_parallel_size):
-            if r in [grid.stage_to_global(stage_id=s, data=d) for d in range(grid.data_parallel_size)]:
-                return s
-        raise ValueError(f"rank {r} is in no pipeline stage")
 
     def _read_stage_bits(self, f: int) -> tuple[dict[str, np.ndarray], int]:
         """Rank 0: every stage's sign file, checked against that stage's layout → name → bool array."""

@@ -23,7 +23,6 @@ import math
 import os
 import pathlib
 import shutil
-import sys
 import time
 
 import torch
@@ -51,8 +50,8 @@ class AnchorWorker:
         self.engine, self.pipe, self.loss = eng.build_engine(model_dir, one, ds1)
         self.params = self.pipe.hf_parameters()
         self.base = [p.detach().clone() for p in self.pipe.parameters()]
-        self.cuts = sorted(set(eng.build_codec(tc, self.pipe.config.hidden_size).cuts))
-        self.k = eng.build_codec(tc, self.pipe.config.hidden_size).k
+        trainer_codec = eng.build_codec(tc, self.pipe.config.hidden_size)   # the cuts and k the trainer uses
+        self.cuts, self.k = sorted(trainer_codec.cuts), trainer_codec.k
         self.M: dict[str, torch.Tensor] = {}
         self.bases: dict[int, torch.Tensor] = {}
         self.done = -1
@@ -214,12 +213,8 @@ def main(argv=None) -> None:
         log(f"waiting for the trainer to write {cfg}")
         while not pathlib.Path(cfg).is_file():   # started before the trainer: wait for its config
             time.sleep(0.5)
-    from ..config import ConfigError, load_recipe
-    try:
-        run = load_recipe(cfg, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from ..config import load_or_exit, load_recipe
+    run = load_or_exit(load_recipe, cfg, args.overrides)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port())})
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
