@@ -161,7 +161,9 @@ def worker(a) -> None:
         v[pipe.stage_id] = torch.tensor(wire_rows, dtype=torch.float64).mean(0)
         dist.all_reduce(v)
         if rank == 0:
-            (ctl / f"result_{i}.json").write_text(json.dumps({"phase": ph, "step_s": times, "per_stage": v.tolist()}))
+            tmp = ctl / f".result_{i}.json.tmp"   # renamed into place: the controller polls for the name
+            tmp.write_text(json.dumps({"phase": ph, "step_s": times, "per_stage": v.tolist()}))
+            os.replace(tmp, ctl / f"result_{i}.json")
 
 
 def synthetic_rollout(n: int, seq: int, vocab: int):
