@@ -114,6 +114,20 @@ class AnchorConfig:
 
 
 @dataclass
+class ControlConfig:
+    """The drift controller (SPEC S7, control.py): β of the KL term and the rate of dense steps
+    follow the probe's true drift."""
+    enabled: bool = False
+    target_slope: float = 0.002     # s*: allowed growth of the probe's dense KL to the reference, nats/token/step
+    window: int = 4                 # probe readings in the slope (× train.probe_every steps)
+    gain: float = 1.0               # change of ln β and ln rate per unit of relative slope error (clipped to ±1)
+    kl_coef_min: float = 1e-4
+    kl_coef_max: float = 1.0
+    dense_rate_min: float = 0.02    # fraction of steps run with the codec off, and where it starts (the seeds' dense_every: 50)
+    dense_rate_max: float = 0.5
+
+
+@dataclass
 class LogConfig:
     wandb: bool = True              # offline unless the user is logged in (or WANDB_MODE says otherwise)
     project: str = "ds_twocircuit"
@@ -127,6 +141,7 @@ class TwoCircuitConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -235,6 +250,7 @@ def validate(run: RunConfig) -> None:
     if tc.train.probe_every < 0:
         raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
     _check_anchor(tc.anchor)
+    _check_control(tc)
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
 
@@ -251,6 +267,29 @@ def _check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
         raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
+
+
+def _check_control(tc: TwoCircuitConfig) -> None:
+    c = tc.control
+    if not c.enabled:
+        return
+    if tc.train.probe_every < 1:
+        raise ConfigError("control.enabled=true reads the codec-off probe: set train.probe_every >= 1")
+    if tc.train.dense_every:
+        raise ConfigError(f"train.dense_every={tc.train.dense_every}: with control.enabled=true the controller "
+                          "decides which steps run dense; set train.dense_every=0")
+    if not 0 < c.kl_coef_min <= tc.grpo.kl_coef <= c.kl_coef_max:
+        raise ConfigError(f"grpo.kl_coef={tc.grpo.kl_coef}: the controller starts from it and needs "
+                          f"0 < control.kl_coef_min ({c.kl_coef_min}) <= it <= control.kl_coef_max ({c.kl_coef_max})")
+    if c.target_slope <= 0:
+        raise ConfigError(f"control.target_slope={c.target_slope}: must be > 0")
+    if c.window < 2:
+        raise ConfigError(f"control.window={c.window}: a slope needs at least 2 probe readings")
+    if not 0 < c.dense_rate_min <= c.dense_rate_max <= 1:
+        raise ConfigError(f"control.dense_rate_min={c.dense_rate_min}, control.dense_rate_max={c.dense_rate_max}: "
+                          "need 0 < min <= max <= 1")
+    if c.gain <= 0:
+        raise ConfigError(f"control.gain={c.gain}: must be > 0")
 
 
 def _check_anchor(a: AnchorConfig) -> None:

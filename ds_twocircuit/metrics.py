@@ -58,12 +58,13 @@ class Trend:
     """The running slope per step of one logged metric over its last `window` values: the gap's
     trend (`rollout_corr/kl_slope`) is what says whether a run is healthy, not the gap's level."""
 
-    def __init__(self, key: str, window: int = 20):
-        self.key, self.window, self.pts = key, window, []
+    def __init__(self, key: str, window: int = 20, skip: str | None = None):
+        self.key, self.window, self.skip, self.pts = key, window, skip, []
 
     def update(self, row: dict) -> float | None:
-        """Add the row's value (if it has one); → the slope over the window, None before two points."""
-        if self.key in row:
+        """Add the row's value (if it has one and the row's `skip` flag is not set); → the slope over
+        the window, None before two points."""
+        if self.key in row and not (self.skip and row.get(self.skip)):
             self.pts = (self.pts + [(row["step"], row[self.key])])[-self.window:]
         if len(self.pts) < 2:
             return None

@@ -9,13 +9,15 @@
 
 With the anchor on, rank 0 also ships θ(t) and the batch at the steps the fire schedule replays, and
 every rank switches to a newly published sign(M) at the same step (anchor/link.py). Every
-`probe_every` steps a codec-off probe measures the dense view of the same batch.
+`probe_every` steps a codec-off probe measures the dense view of the same batch; with `control.*` on,
+the drift controller (control.py) reads it and sets β and which steps run dense.
 
 A "step" is one rollout iteration; at the default one PPO mini-batch it is one optimizer step.
 The sampler lives on global rank 0 beside stage 0; the other ranks wait in the next collective
 while it generates. Everything random is keyed by (seed, step), so a resumed run replays the same
 batches and samples.
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -29,8 +31,10 @@ from tqdm import tqdm
 from . import engine as eng
 from .anchor.link import AnchorLink
 from .config import RunConfig, to_yaml
+from .control import DriftController
 from .data import build_task
 from .grpo.advantages import group_advantages
+from .grpo.loss import k3_kl
 from .grpo.rollouts import Rollout
 from .metrics import RunLogger, Trend, finish_mismatch, mismatch_sums
 from .model.weights import write_index, write_stage_shard
@@ -54,6 +58,7 @@ class Trainer:
             eng.calibrate_bases(self.engine, self.pipe, lambda: self.logprobs(self.calibration_batch()))
         self.wire.take()
         self.start = self._load_checkpoint() if resume else 0
+        self.control, control_error = None, ""   # the controller lives on rank 0; the others follow its broadcasts
         if self.rank0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
@@ -61,11 +66,18 @@ class Trainer:
             self.shapes = self.sampler.state_shapes()
             self.logger = RunLogger(run_dir, {"twocircuit": to_plain(self.tc), **run.ds},
                                     self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
-            self.trends = {"rollout_corr/kl_slope": Trend("rollout_corr/kl"),
+            # a dense step's gap is the backend's alone: the codec's gap trend skips it
+            self.trends = {"rollout_corr/kl_slope": Trend("rollout_corr/kl", skip="train/dense_step"),
                            "probe/kl_slope": Trend("probe/actor/kl_loss")}
-            for old in self.logger.rows():   # a resumed run continues its windows
+            self.control = DriftController(self.tc.control, self.tc.grpo.kl_coef) if self.tc.control.enabled else None
+            logged = self.logger.rows()
+            for old in logged:   # a resumed run continues its windows (and the controller)
                 for t in self.trends.values():
                     t.update(old)
+            if self.control:
+                control_error = self.control.replay(logged, self.start)
+        if self.tc.control.enabled:
+            self.share_kl_coef(control_error)
         self.correction = eng.SignCorrection(self.engine, self.pipe, self.tc.anchor.alpha)
         self.anchor = None
         if self.tc.anchor.enabled:
@@ -88,7 +100,11 @@ class Trainer:
                     slope = trend.update(row)
                     if slope is not None:
                         row[key] = slope
+                if self.control:
+                    row.update(self.control.update(row))
                 self.logger.log(row)
+            if self.tc.control.enabled and self.probe_step(t):
+                self.share_kl_coef()
             done = t + 1
             if done % self.tc.train.eval_every == 0 or done == steps:
                 self.evaluate(done)
@@ -107,18 +123,23 @@ class Trainer:
         anchor = {}
         if self.anchor:
             if self.rank0:
-                self.anchor.ship(t, dict(self.sampler.model.named_parameters()), rollout)
+                self.anchor.ship(t, dict(self.sampler.model.named_parameters()), rollout, self.loss.coefs.kl_coef)
             anchor = self.anchor.adopt(t)
         t2 = time.perf_counter()
         mine = self.dp_slice(rollout)
-        probe = self.probe(mine) if self.tc.train.probe_every and t % self.tc.train.probe_every == 0 else None
+        probe = self.probe(mine) if self.probe_step(t) else None
         dense_step = bool(self.tc.train.dense_every) and (t + 1) % self.tc.train.dense_every == 0
+        if self.tc.control.enabled:   # the controller's dense steps: rank 0 decides, every rank follows
+            flag = torch.tensor([int(self.control.dense_next()) if self.rank0 else 0])
+            dist.broadcast(flag, src=0)
+            dense_step = dense_step or bool(flag)
         self.codec.enabled = not dense_step   # dense step injection: every pass of this step uncompressed
         try:
             metrics = self.update(t, mine, probe)
         finally:
             self.codec.enabled = True
         metrics["train/dense_step"] = float(dense_step)
+        metrics["actor/kl_coef"] = self.loss.coefs.kl_coef
         t3 = time.perf_counter()
         sync_bytes = self.sync_sampler()
         if self.anchor:
@@ -128,6 +149,18 @@ class Trainer:
         metrics.update({"timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2,
                         "timing/sync": t4 - t3, "timing/step": t4 - t0, "sync/bytes": sync_bytes})
         return {"step": t + 1, **metrics}
+
+    def probe_step(self, t: int) -> bool:
+        return bool(self.tc.train.probe_every) and t % self.tc.train.probe_every == 0
+
+    def share_kl_coef(self, error: str = "") -> None:
+        """Every rank takes rank 0's controller β (the last stages compute the loss with it); NaN
+        carries rank 0's error (a resume it cannot rebuild) so that every rank stops, not only rank 0."""
+        beta = torch.tensor([self.control.beta if self.rank0 and not error else float("nan")], dtype=torch.float64)
+        dist.broadcast(beta, src=0)
+        if error or beta.isnan():
+            raise ValueError(error or "rank 0 could not rebuild the drift controller (see rank 0's error)")
+        self.loss.coefs = dataclasses.replace(self.loss.coefs, kl_coef=float(beta))
 
     # ---- sampling ---------------------------------------------------------------------------
     def prompt_rows(self, t: int) -> list[int]:
@@ -173,33 +206,36 @@ class Trainer:
 
     # ---- training ---------------------------------------------------------------------------
     def probe(self, minibatches: list[tuple[Rollout, float]]) -> dict:
-        """Codec off, current weights, the step's first mini-batch (same codec step as the update):
-        the dense log-probs of the sampled tokens (→ probe/rollout_corr/*, the mismatch without the
-        codec's part) and, in plain fp32, the dense gradient, which the correction hook compares with
-        the compressed and the corrected one (grad/cos_*). Its passes' wire bytes are kept apart."""
+        """Codec off, current weights, the step's first mini-batch: the dense log-probs of the
+        sampled tokens (→ probe/rollout_corr/*, the mismatch without the codec's part) and of the
+        reference (→ probe/actor/kl_loss, the true drift the controller reads, in every precision);
+        in plain fp32 also the dense gradient, which the correction hook compares with the compressed
+        and the corrected one (grad/cos_*), and the dense entropy. Its wire bytes are kept apart."""
         mb, ntok = minibatches[0]
+        w = mb.resp_NT1 / max(ntok, 1.0)
         z = torch.zeros_like(mb.resp_NT1)
-        dense_view = {}
         self.codec.enabled = False
         try:
             self.reset_shape_if_changed(mb.ids_NT.shape[1])
             dense = self.logprobs(mb)
-            if not self.correction.fragments():
-                ref = self.logprobs(mb, self.base) if self.tc.grpo.kl_coef > 0 else z
+            ref = self.logprobs(mb, self.base)
+            dense_view = {"actor/kl_loss": float((w * k3_kl(dense, ref)).sum())}   # the true drift
+            if not self.correction.fragments():   # the dense gradient needs per-parameter .grad (fp32, no ZeRO)
                 self.loss.reset()
                 self.loss.mode, self.loss.old_is_current = "train", True
                 self.loss.scale = self.engine.gradient_accumulation_steps() * self.run_cfg.dp
-                eng.forward_backward(self.engine, eng.micro_batches(mb, self.micro, mb.resp_NT1 / max(ntok, 1.0), z, ref))
+                eng.forward_backward(self.engine, eng.micro_batches(mb, self.micro, w, z, ref))
                 self.correction.dense = {n: p.grad.detach().clone() for n, p in self.correction.named.items()}
-                dense_view = {k: self.loss.sums[k] for k in PROBE_VIEW}   # KL to the reference, entropy: dense
+                dense_view["actor/entropy"] = self.loss.sums["actor/entropy"]
                 for p in self.pipe.parameters():
                     p.grad = None
         finally:
             self.codec.enabled = True
         fwd, _ = self.wire.take()
         self.codec.take_counters()
-        sums = mismatch_sums(mb.sampler_logp_NT1, dense, mb.resp_NT1 / max(ntok, 1.0)) if self.last_stage else {}
-        return {"sums": {**sums, **dense_view}, "bytes": fwd, "keys": MISMATCH + (PROBE_VIEW if dense_view else [])}
+        sums = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **dense_view} if self.last_stage else {}
+        keys = MISMATCH + (PROBE_VIEW if not self.correction.fragments() else ["actor/kl_loss"])
+        return {"sums": sums, "bytes": fwd, "keys": keys}
 
     def update(self, t: int, minibatches: list[tuple[Rollout, float]], probe: dict | None = None) -> dict:
         """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t."""
@@ -208,7 +244,7 @@ class Trainer:
         self.reset_shape_if_changed(minibatches[0][0].ids_NT.shape[1])
         on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in minibatches]
-        refs = [self.logprobs(mb, self.base) for mb, _ in minibatches] if g.kl_coef > 0 else zeros
+        refs = [self.logprobs(mb, self.base) for mb, _ in minibatches] if self.loss.coefs.kl_coef > 0 else zeros
         olds = zeros if on_policy else [self.logprobs(mb) for mb, _ in minibatches]
         eval_payload = self.codec.take_counters()
         self.loss.reset()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, free_port, launch, rows
 from dist_grads import reference_grads
+from ds_twocircuit.control import next_level
 
 pytestmark = pytest.mark.dist
 SPLIT = [1] * 8
@@ -46,11 +47,39 @@ def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):
     assert all(torch.equal(a[n], b[n]) for a, b in zip(wa, wb) for n in a)
 
 
+S6 = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+      "actor/pg_clipfrac_dual", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/kl_coef",
+      "timing/gen", "timing/train", "timing/sync", "rollout_corr/kl", "rollout_corr/k3_kl",
+      "rollout_corr/prob_diff_mean", "rollout_corr/pearson"] + \
+     [f"weights/{m}/stage{s}" for m in ("rel_change", "cos_base") for s in range(8)]
+PROBE = ["probe/rollout_corr/kl", "probe/rollout_corr/k3_kl", "probe/rollout_corr/prob_diff_mean",
+         "probe/rollout_corr/pearson", "probe/actor/kl_loss", "probe/actor/entropy", "grad/cos_comp_dense",
+         "grad/cos_corrected_dense"]
+
+
 def test_prf_wire_ratio_and_same_masks_across_passes(eight, tmp_path):
-    launch(8, tmp_path, "codec.name=prf", "codec.keep_ratio=0.25", "train.steps=2")
+    """Also: every S6 key on every step, the probe's on probe steps (1 and 3), the drift controller's
+    β update from the two probe readings, used by step 4."""
+    launch(8, tmp_path, "codec.name=prf", "codec.keep_ratio=0.25", "train.probe_every=2", "control.enabled=true")
     r = rows(tmp_path)
+    assert [x["step"] for x in r] == [1, 2, 3, 4]
+    for x in r:
+        assert set(S6) <= x.keys(), set(S6) - x.keys()
+        assert (set(PROBE) <= x.keys()) == (x["step"] in (1, 3)) and (PROBE[0] in x) == (x["step"] in (1, 3))
+    assert all("rollout_corr/kl_slope" in x for x in r[1:])
+    # the codec's gap is large from step 1; the dense pipeline's and the probe's (codec off) are float noise
+    assert all(abs(x["rollout_corr/kl"]) < 1e-5 for x in rows(eight))
+    assert all(x["rollout_corr/kl"] > 1e-2 for x in r)
+    assert all(abs(x["probe/rollout_corr/kl"]) < 1e-5 for x in (r[0], r[2]))
+    assert r[0]["probe/actor/kl_loss"] == 0.0 and r[2]["probe/actor/kl_loss"] > 0.0   # θ_0 is the reference
+    # the controller: slope of the two probe readings per step, β moved by the law, used from step 4
+    slope = (r[2]["probe/actor/kl_loss"] - r[0]["probe/actor/kl_loss"]) / 2
+    assert r[2]["control/drift_slope"] == pytest.approx(slope)
+    assert r[2]["control/kl_coef_next"] == pytest.approx(next_level(0.01, slope, 0.002, 1.0, 1e-4, 1.0))
+    assert [x["actor/kl_coef"] for x in r[:3]] == [0.01] * 3 and r[3]["actor/kl_coef"] == r[2]["control/kl_coef_next"]
+    assert [x["control/dense_rate"] for x in r[:3]] == [0.02] * 3 and r[3]["control/dense_rate"] == r[2]["control/dense_rate_next"]
+    assert [x["train/dense_step"] for x in r] == [0.0] * 4        # the accumulator is far from 1
     assert r[0]["actor/kl_loss"] == 0.0            # reference and policy through the same masks
-    assert r[0]["rollout_corr/kl"] > 10 * abs(rows(eight)[0]["rollout_corr/kl"]) + 1e-3
     k, d = 8, 32
     for x in r:
         assert x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * k / d    # gradients: payload only
@@ -72,11 +101,18 @@ def test_lowrank_runs(tiny_model, tmp_path):
 
 
 def test_prf_resume_replays_the_same_masks(tmp_path):
-    """PRF masks are keyed by the step, so a resumed compressed run continues bit for bit."""
+    """PRF masks are keyed by the step, so a resumed compressed run continues bit for bit; so does the
+    drift controller, whose β and dense-step accumulator are rebuilt from the logged rows (a dense
+    step at a fixed rate of 0.4 falls on step 3, after the resume; β moves from step 3 on)."""
     full, part = tmp_path / "full", tmp_path / "part"
-    args = ("codec.name=prf", "codec.keep_ratio=0.25", "train.steps=3", "train.eval_every=3", "train.save_every=1")
+    ctl = ("control.enabled=true", "train.probe_every=1", "control.dense_rate_min=0.4", "control.dense_rate_max=0.4")
+    args = ("codec.name=prf", "codec.keep_ratio=0.25", *ctl, "train.steps=3", "train.eval_every=3", "train.save_every=1")
     launch(8, full, *args)
-    launch(8, part, *args[:2], "train.steps=1", "train.eval_every=3", "train.save_every=1")
+    launch(8, part, *args[:-3], "train.steps=1", "train.eval_every=3", "train.save_every=1")
     launch(8, part, *args, resume=True)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rs]
     assert strip(rows(full)) == strip(rows(part))
+    r = rows(full)
+    assert [x["train/dense_step"] for x in r] == [0.0, 0.0, 1.0]
+    assert r[2]["codec/bytes_bwd"] == r[2]["codec/dense_equiv_bytes_bwd"]      # the dense step sent everything
+    assert r[0]["actor/kl_coef"] == r[1]["actor/kl_coef"] == 0.01 != r[2]["actor/kl_coef"]

@@ -1,6 +1,8 @@
 """The trend of a logged metric: least-squares slope over a window."""
 import math
 
+import pytest
+
 from ds_twocircuit.metrics import Trend, ls_slope
 
 
@@ -18,3 +20,11 @@ def test_trend_windows_and_skips_rows_without_the_key():
     assert t.update({"step": 3, "gap": 2.0}) == 1.0
     t.update({"step": 4, "gap": 3.0})
     assert t.update({"step": 5, "gap": 3.0}) == 0.5          # only steps 3, 4, 5 remain
+
+
+def test_trend_skips_flagged_rows():
+    """The codec's gap trend leaves dense steps out: their gap is the backend's alone (~0)."""
+    t = Trend("gap", window=3, skip="dense")
+    t.update({"step": 1, "gap": 3.0})
+    assert t.update({"step": 2, "gap": 0.0, "dense": 1.0}) is None
+    assert t.update({"step": 3, "gap": 3.2, "dense": 0.0}) == pytest.approx(0.1)

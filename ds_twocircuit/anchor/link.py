@@ -93,8 +93,9 @@ class AnchorLink:
                     self.proc.kill()
 
     # ---- shipping (rank 0) ------------------------------------------------------------------
-    def ship(self, t: int, theta: dict[str, torch.Tensor], rollout) -> None:
-        """θ(t) per stage and the batch θ(t) generated, then the requests (rank 0)."""
+    def ship(self, t: int, theta: dict[str, torch.Tensor], rollout, kl_coef: float) -> None:
+        """θ(t) per stage and the batch θ(t) generated, then the requests (rank 0); kl_coef is the β
+        step t trains with (the drift controller moves it), so the anchor replays the same loss."""
         self.bytes_up = 0
         fires = fires_replaying(t, self.a.every, self.a.staleness, self.steps)
         if not fires:
@@ -110,7 +111,7 @@ class AnchorLink:
             _, older = forecast_steps(f, self.a.staleness, self.a.every)
             older = older if self.a.forecast else None
             mb.write_request(self.root, {"fire": f, "weights_step": t, "older_step": older, "stages": self.pipe.num_stages,
-                                         "every": self.a.every, "staleness": self.a.staleness})
+                                         "every": self.a.every, "staleness": self.a.staleness, "kl_coef": kl_coef})
 
     # ---- adoption (every rank) --------------------------------------------------------------
     def adopt(self, t: int) -> dict:

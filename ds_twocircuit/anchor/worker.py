@@ -18,6 +18,7 @@ restarted anchor resumes where it stopped.
 """
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -99,6 +100,7 @@ class AnchorWorker:
         if req.get("older_step") is not None:
             theta = forecast(theta, self._read_theta(req["older_step"], layouts), req["staleness"], req["every"])
         batch = Rollout(**mb.read_tensors(mb.batch_path(self.root, s), s))
+        self.loss.coefs = dataclasses.replace(self.loss.coefs, kl_coef=req.get("kl_coef", self.tc.grpo.kl_coef))
         g = self.gradient(theta, batch)
         b = self.tc.anchor.beta_m
         for n, t in g.items():
@@ -129,7 +131,7 @@ class AnchorWorker:
         n_micro = r.ids_NT.shape[0] // self.micro
         z = torch.zeros_like(r.resp_NT1)
         ref = z
-        if self.tc.grpo.kl_coef > 0:
+        if self.loss.coefs.kl_coef > 0:   # the β of the request (the drift controller may have moved it)
             with eng.swapped_weights(self.pipe, self.base):
                 ref = torch.cat(eng.pipeline_logprobs(self.engine, self.loss, eng.micro_batches(r, self.micro, z, z, z), n_micro))
         self.loss.reset()

@@ -28,6 +28,12 @@ class LossCoefs:
     kl_coef: float = 0.001
 
 
+def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """(B, T) k3 estimate per token of KL(π_θ‖π_ref) at tokens sampled from π: e^d − d − 1, d = logπ_ref − logπ_θ."""
+    d = ref_logp_BT - logp_BT
+    return torch.exp(d) - d - 1.0
+
+
 def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: LossCoefs):
     """→ (loss scalar = Σ w·ℓ, metric sums dict). Metric sums are w-weighted (divide by Σw for means).
 
@@ -42,8 +48,7 @@ def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: 
     pg = torch.maximum(pg_unclipped, pg_clipped)
     dual_bound = -adv_B1 * coefs.clip_ratio_c
     pg_dual = torch.where(adv_B1 < 0, torch.minimum(pg, dual_bound), pg)
-    ref_diff = ref_logp_BT - logp_BT
-    kl = torch.exp(ref_diff) - ref_diff - 1.0
+    kl = k3_kl(logp_BT, ref_logp_BT)
     loss = (weight_BT * (pg_dual + coefs.kl_coef * kl)).sum()
 
     with torch.no_grad():
