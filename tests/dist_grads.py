@@ -2,10 +2,11 @@
 
 One train_batch of two micro-batches through the PRF (or keep-all) codec on every cut, with a fixed
 linear loss on the logits; each stage writes the gradients its optimizer receives, under HF names,
-to OUT/grads_stage{s}.safetensors. `reference_grads` computes the same in one process with plain
+to OUT/k{k}/grads_stage{s}.safetensors (several k in one launch). `reference_grads` computes the same in one process with plain
 autograd through the same layer modules and the same codec state.
 """
 import json
+import os
 import sys
 
 import torch
@@ -63,7 +64,8 @@ def reference_grads(model_dir: str, split: list[int], k: int) -> dict[str, torch
     return out
 
 
-def main(model_dir, split_json, k, out_dir):
+def main(model_dir, split_json, ks, out_dir):
+    """ks: comma-separated k values, one train_batch each in the same launch (OUT/k{k}/...)."""
     import deepspeed
     from safetensors.torch import save_file
 
@@ -71,7 +73,8 @@ def main(model_dir, split_json, k, out_dir):
     init_distributed()
     split = json.loads(split_json)
     config = load_hf_config(model_dir, "sdpa")
-    pipe = TwoCircuitPipe(model_dir, split, linear_loss, codec=make_codec(config.hidden_size, int(k), split))
+    ks = [int(k) for k in ks.split(",")]
+    pipe = TwoCircuitPipe(model_dir, split, linear_loss, codec=make_codec(config.hidden_size, ks[0], split))
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0),
         config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
@@ -79,8 +82,12 @@ def main(model_dir, split_json, k, out_dir):
     grads = {}
     engine.optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: p.grad.clone() for n, p in pipe.hf_parameters().items()}))
-    engine.train_batch(iter(micro_batches(config.vocab_size)))
-    save_file(grads, f"{out_dir}/grads_stage{pipe.stage_id}.safetensors")
+    for k in ks:
+        pipe.codec.k = k                   # every layer holds this one codec state
+        engine.reset_activation_shape()    # the payload's width changes with k
+        engine.train_batch(iter(micro_batches(config.vocab_size)))
+        os.makedirs(f"{out_dir}/k{k}", exist_ok=True)
+        save_file(grads, f"{out_dir}/k{k}/grads_stage{pipe.stage_id}.safetensors")
 
 
 if __name__ == "__main__":

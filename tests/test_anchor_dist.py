@@ -152,6 +152,9 @@ def test_anchor_killed_mid_run(tiny_model, tmp_path):
     assert r[15]["anchor/age"] > normal, ages                # step 16: the outage aged the held sign
     assert ages[-1] <= normal, ages                          # caught up after the restart
     assert r[-1]["anchor/restarts"] == len(killed)
+    # the lowrank codec end to end: reference and policy through the same basis, a real gap, k/d bytes back
+    assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-3
+    assert all(x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * 4 / 32 for x in r)
     log = (mailbox / "anchor.log").read_text()
     assert "resumed M from" in log, log[-2000:]
     state = json.loads((mailbox / "state" / "M.json").read_text())

@@ -89,8 +89,16 @@ def test_resume_continues_the_same_trajectory(eight, tmp_path):
     launch(8, tmp_path, resume=True)
     full, resumed = rows(eight), rows(tmp_path)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    # the restarted engine's first send carries DeepSpeed's shape message (1 KB per cut); the
+    # uninterrupted run sends one at step 3 only if its padded length changed: nothing else may differ
+    shape_msg = lambda k: k.startswith("codec/") and k.endswith("bytes_fwd") or k == "codec/dense_equiv_bytes"
     for ra, rb in zip(full, resumed):
-        assert NONTIMING(ra) == NONTIMING(rb), ra["step"]
+        a, b = NONTIMING(ra), NONTIMING(rb)
+        if ra["step"] == 3:
+            extra = {k: b[k] - a[k] for k in a if shape_msg(k)}
+            assert all(v in (0, 1024 * (7 if "boundary" not in k else 1)) for k, v in extra.items()), extra
+            a, b = ({k: v for k, v in x.items() if not shape_msg(k)} for x in (a, b))
+        assert a == b, ra["step"]
     assert rows(eight, "eval.jsonl") == rows(tmp_path, "eval.jsonl")
     wa, wb = weights(eight), weights(tmp_path)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
