@@ -1,4 +1,4 @@
-"""Health metrics (pure) and the run's logger (JSONL always, wandb offline unless logged in).
+"""Health metrics (pure): the train-inference mismatch and the trend of a logged metric.
 
 Train-inference mismatch on the sampled response tokens, sampler log-probs s vs trainer log-probs
 t of the same tokens under the same weights θ_t (sampled from the sampler, so expectations are
@@ -9,15 +9,15 @@ under the sampler's distribution):
     rollout_corr/prob_diff_mean= E[|e^s − e^t|]
     rollout_corr/pearson       = corr(e^s, e^t) over the tokens
 """
-import json
-import os
-import pathlib
-
 import torch
 
 
+MISMATCH_SUMS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/prob_diff_mean", "rollout_corr/_ps",
+                 "rollout_corr/_pt", "rollout_corr/_ps2", "rollout_corr/_pt2", "rollout_corr/_pspt"]
+
+
 def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]:
-    """Weighted sums over tokens (weights sum to 1 over the batch) → means after an all-reduce.
+    """Weighted sums over tokens (weights sum to 1 over the batch) → means once summed over ranks.
 
     The Pearson needs moments; they are returned as sums and finished by `finish_mismatch`."""
     d = trainer_logp - sampler_logp
@@ -27,16 +27,18 @@ def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]
         "rollout_corr/kl": (w * -d).sum(),
         "rollout_corr/k3_kl": (w * (d.exp() - d - 1)).sum(),
         "rollout_corr/prob_diff_mean": (w * (ps - pt).abs()).sum(),
-        "_ps": (w * ps).sum(), "_pt": (w * pt).sum(), "_ps2": (w * ps * ps).sum(),
-        "_pt2": (w * pt * pt).sum(), "_pspt": (w * ps * pt).sum(),
+        "rollout_corr/_ps": (w * ps).sum(), "rollout_corr/_pt": (w * pt).sum(),
+        "rollout_corr/_ps2": (w * ps * ps).sum(), "rollout_corr/_pt2": (w * pt * pt).sum(),
+        "rollout_corr/_pspt": (w * ps * pt).sum(),
     }
 
 
 def finish_mismatch(m: dict[str, float]) -> dict[str, float]:
-    """Turn the moment sums into `rollout_corr/pearson` and drop the helper keys."""
-    cov = m["_pspt"] - m["_ps"] * m["_pt"]
-    var = (m["_ps2"] - m["_ps"] ** 2) * (m["_pt2"] - m["_pt"] ** 2)
-    out = {k: v for k, v in m.items() if not k.startswith("_")}
+    """Turn the moment sums into `rollout_corr/pearson` and drop the helper keys (others pass through)."""
+    g = lambda name: m["rollout_corr/" + name]
+    cov = g("_pspt") - g("_ps") * g("_pt")
+    var = (g("_ps2") - g("_ps") ** 2) * (g("_pt2") - g("_pt") ** 2)
+    out = {k: v for k, v in m.items() if not k.rsplit("/", 1)[-1].startswith("_")}
     out["rollout_corr/pearson"] = cov / var ** 0.5 if var > 0 else 1.0
     return out
 
@@ -69,46 +71,3 @@ class Trend:
         if len(self.pts) < 2:
             return None
         return ls_slope([p[0] for p in self.pts], [p[1] for p in self.pts])
-
-
-class RunLogger:
-    """One flat namespaced dict per step → metrics.jsonl (+ wandb). Rank 0 only; others get `None`."""
-
-    def __init__(self, run_dir: pathlib.Path, config: dict, use_wandb: bool, project: str, resume_step: int | None):
-        self.run_dir = run_dir
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            _truncate_after(run_dir / name, resume_step)
-        self.wandb = _start_wandb(run_dir, config, project) if use_wandb else None
-
-    def log(self, row: dict, file: str = "metrics.jsonl") -> None:
-        with open(self.run_dir / file, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
-                            for k, v in row.items()}, step=row["step"])
-
-    def rows(self, file: str = "metrics.jsonl") -> list[dict]:
-        path = self.run_dir / file
-        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def _truncate_after(path: pathlib.Path, resume_step: int | None) -> None:
-    """On resume keep only rows of steps before the resumed step (they will be written again)."""
-    if resume_step is None or not path.exists():
-        if resume_step is None and path.exists():
-            path.unlink()
-        return
-    rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < resume_step]
-    path.write_text("".join(r + "\n" for r in rows))
-
-
-def _start_wandb(run_dir: pathlib.Path, config: dict, project: str):
-    import wandb
-    mode = os.environ.get("WANDB_MODE")
-    if mode is None:
-        mode = "online" if wandb.api.api_key else "offline"
-    return wandb.init(project=project, dir=str(run_dir), config=config, mode=mode, name=run_dir.name)

@@ -15,7 +15,8 @@ import torch
 from torch.utils.benchmark import Timer
 
 from ds_twocircuit.codec import prf
-from ds_twocircuit.codec.boundary import CodecState
+from ds_twocircuit.codec.boundary import Codec
+from ds_twocircuit.codec.geometry import keep_count
 
 
 def bench(stmt: str, env: dict) -> float:
@@ -23,19 +24,20 @@ def bench(stmt: str, env: dict) -> float:
 
 
 def run_width(d: int, tokens: int, seq: int = 512) -> dict:
-    k = round(0.05 * d)
+    k = keep_count(0, 0.05, d)
     B = max(1, tokens // seq)
     x = torch.randn(B, seq, d)
     pos, sid = torch.arange(seq).expand(B, seq), torch.arange(B)
-    c = CodecState(name="prf", d=d, k=k, seed=0, cuts=frozenset({0}), step=1)
-    y = c.encode(x, pos, sid, 0)
-    env = dict(x=x, y=y, c=c, pos=pos, sid=sid, prf=prf, d=d, k=k, torch=torch)
-    t = {
-        "dense copy": bench("x.clone()", env),
-        "mask generation": bench("prf.kept_for(0, 0, 1, sid, pos, d, k)", env),
-        "encode": bench("c.encode(x, pos, sid, 0)", env),
-        "decode": bench("c.decode(y, pos, sid, 0, torch.float32)", env),
-    }
+    c = Codec(name="prf", d=d, k=k, seed=0, cuts={0})
+    with c.keyed(1):
+        y = c.encode(x, pos, sid, 0)
+        env = dict(x=x, y=y, c=c, pos=pos, sid=sid, prf=prf, d=d, k=k, torch=torch)
+        t = {
+            "dense copy": bench("x.clone()", env),
+            "mask generation": bench("prf.kept_for(0, 0, 1, sid, pos, d, k)", env),
+            "encode": bench("c.encode(x, pos, sid, 0)", env),
+            "decode": bench("c.decode(y, pos, sid, 0, torch.float32)", env),
+        }
     t["encode+decode"] = t["encode"] + t["decode"]
     return {"d": d, "k": k, "tokens": B * seq, "times": t}
 

@@ -105,60 +105,51 @@ def parse_rate(rate: str) -> float:
 
 # ---- the ranks ---------------------------------------------------------------------------------------
 def worker(a) -> None:
-    """One pipeline rank inside its namespace: all phases, with a handshake before each."""
-    import deepspeed
+    """One pipeline rank inside its namespace: all phases, with a handshake before each. Each step is
+    the trainer's pair of pipeline passes (passes.py): the reference policy's log-probs and the update."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
-    from ds_twocircuit.codec.boundary import CodecState, cut_layers
-    from ds_twocircuit.engine import PipeLoss, WireCounter, init_distributed, micro_batches, swapped_weights
+    from ds_twocircuit import passes
+    from ds_twocircuit.config import TwoCircuitConfig
+    from ds_twocircuit.engine import build_pipeline, init_distributed
     from ds_twocircuit.grpo.loss import LossCoefs
-    from ds_twocircuit.model.pipe import TwoCircuitPipe, load_hf_config
+    from ds_twocircuit.wire import WireCounter
 
     torch.set_num_threads(1)
     init_distributed()
     phases = json.loads(a.phases)
-    split = [a.layers_per_stage] * a.stages
-    d = load_hf_config(a.model_dir, "sdpa").hidden_size
-    codec = CodecState(name="dense", d=d, k=max(1, round(a.keep_ratio * d)), seed=0,
-                       cuts=frozenset(cut_layers(split)))
-    loss = PipeLoss(LossCoefs(), 1.0)
-    pipe = TwoCircuitPipe(a.model_dir, split, loss, codec=codec)
-    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()], config={
+    tc = TwoCircuitConfig()
+    tc.model.layers_per_stage = [a.layers_per_stage] * a.stages
+    tc.codec.name, tc.codec.keep_ratio = "prf", a.keep_ratio      # the dense phases run it with the codec off
+    p = build_pipeline(a.model_dir, tc, {
         "train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": a.gas, "gradient_clipping": 0.0,
         "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}}})
-    base = [p.detach().clone() for p in pipe.parameters()]
-    wire, rank, ctl = WireCounter(pipe.stage_id), dist.get_rank(), pathlib.Path(a.control)
+    base = [q.detach().clone() for q in p.pipe.parameters()]
+    wire, rank, ctl = WireCounter(p.stage), dist.get_rank(), pathlib.Path(a.control)
     for i, ph in enumerate(phases):
-        batch = synthetic_rollout(a.micro * a.gas, ph["seq"], load_hf_config(a.model_dir, "sdpa").vocab_size)
-        codec.name = ph["codec"]
-        engine.reset_activation_shape()
+        batch = synthetic_rollout(a.micro * a.gas, ph["seq"], p.pipe.config.vocab_size)
+        z = torch.zeros_like(batch.resp_NT1)
         if rank == 0:
             (ctl / f"want_{i}").touch()
             wait_for(ctl / f"go_{i}", a.phase_timeout)
         dist.barrier()
         times, wire_rows = [], []
         for s in range(a.warmup + a.steps):
-            codec.step = s
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss.mode = "logprob"
-            z = torch.zeros_like(batch.resp_NT1)
-            with swapped_weights(pipe, base):          # the reference pass, as in every GRPO step
-                engine.eval_batch(iter(micro_batches(batch, a.micro, z, z, z)), num_micro_batches=a.gas,
-                                  bcast_loss=False)
-            loss.reset()
-            loss.mode, loss.scale = "train", a.gas
-            w = batch.resp_NT1 / batch.resp_NT1.sum()
-            engine.train_batch(iter(micro_batches(batch, a.micro, w, z, z)))
-            dist.barrier()
+            codec_off = p.codec.off() if ph["codec"] == "dense" else contextlib.nullcontext()
+            with codec_off, p.codec.keyed(s), wire.counting() as w, p.codec.counting() as n:
+                dist.barrier()
+                t0 = time.perf_counter()
+                passes.logprobs(p, batch, base)           # the reference pass, as in every GRPO step
+                passes.update(p, batch, batch.num_response_tokens, z, z, LossCoefs(), old_is_current=True)
+                dist.barrier()
             if s >= a.warmup:
                 times.append(time.perf_counter() - t0)
-                wire_rows.append([*wire.take(), *codec.take_counters()])
-            else:
-                wire.take(), codec.take_counters()
+                wire_rows.append([w.fwd, w.bwd, n.payload, n.dense])
         v = torch.zeros(a.stages, 4, dtype=torch.float64)
-        v[pipe.stage_id] = torch.tensor(wire_rows, dtype=torch.float64).mean(0)
+        v[p.stage] = torch.tensor(wire_rows, dtype=torch.float64).mean(0)
         dist.all_reduce(v)
         if rank == 0:
             tmp = ctl / f".result_{i}.json.tmp"   # renamed into place: the controller polls for the name

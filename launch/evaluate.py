@@ -30,12 +30,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ds_twocircuit.config import CodecConfig, codec_cuts, load_or_exit, load_recipe
+    from ds_twocircuit.codec.geometry import cut_layers, keep_count
+    from ds_twocircuit.config import load_or_exit, load_recipe
     run = load_or_exit(load_recipe, args.ds_config, args.overrides)
     import torch
     from tqdm import tqdm
 
-    from ds_twocircuit.codec.boundary import CodecState
+    from ds_twocircuit.codec.boundary import Codec
     from ds_twocircuit.codec.inference import static_bases, through_codec
     from ds_twocircuit.data import build_task
     from ds_twocircuit.sampler.hf import HFSampler, greedy_accuracy
@@ -47,7 +48,11 @@ def main(argv=None) -> None:
     held = task.held_out
     prompts, answers = [task.prompt(p) for p in held["problem"]], held["answer"]
     d = sampler.model.config.hidden_size
-    cuts = codec_cuts(CodecConfig(), tc.model.layers_per_stage)
+    cuts = cut_layers(tc.model.layers_per_stage)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    bad = [b for b in budgets if not 1 <= keep_count(0, b, d) <= d]
+    if bad:
+        sys.exit(f"--budgets {args.budgets}: {bad} give no channel or more than d = {d}")
 
     def accuracy() -> float:
         return greedy_accuracy(sampler, prompts, answers, task.reward, tc.grpo.max_new_tokens)
@@ -56,15 +61,13 @@ def main(argv=None) -> None:
     enc = sampler.tokenizer([task.prompt(p) + a for p, a in zip(calib["problem"], calib["answer"])],
                             return_tensors="pt", padding=True, add_special_tokens=False)
     results = [{"codec": "dense", "keep_ratio": 1.0, "k": d, "acc": accuracy()}]
-    budgets = [float(b) for b in args.budgets.split(",")]
     for ratio in tqdm(budgets, desc="budgets"):
-        k = max(1, round(ratio * d))
-        prf = CodecState(name="prf", d=d, k=k, seed=tc.codec.seed, cuts=frozenset(cuts))
+        k = keep_count(0, ratio, d)
+        prf = Codec(name="prf", d=d, k=k, seed=tc.codec.seed, cuts=cuts)
         with through_codec(sampler.model, prf):
             results.append({"codec": "prf", "keep_ratio": ratio, "k": k, "acc": accuracy()})
-        svd = CodecState(name="lowrank", d=d, k=k, cuts=frozenset(cuts))
-        for layer, q in static_bases(sampler.model, enc, cuts, k).items():
-            svd.set_basis(layer, q)
+        svd = Codec(name="lowrank", d=d, k=k, cuts=cuts)
+        svd.set_bases(static_bases(sampler.model, enc, cuts, k))
         with through_codec(sampler.model, svd):
             results.append({"codec": "static SVD", "keep_ratio": ratio, "k": k, "acc": accuracy()})
     print(f"\nheld-out greedy accuracy of {args.model} (n={len(held)}, {len(cuts)} cuts)\n")

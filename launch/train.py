@@ -1,5 +1,5 @@
 """Entry point: `deepspeed [--num_gpus N | --hostfile H] launch/train.py --ds-config FILE
-[--run-dir DIR] [--resume] [key=value ...]`.
+[--run-dir DIR] [--resume] [key=value ...]`; `python launch/train.py --help-config` lists our keys.
 
 Parse and validate the whole config first (no process group yet, so a mistake costs seconds and
 prints one line), make sure the base model exists (the embedded one is built once and cached),
@@ -13,21 +13,29 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
-from ds_twocircuit.config import load_config, load_or_exit  # noqa: E402  (light: no torch)
+from ds_twocircuit.config import describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ds-config", required=True, help="DeepSpeed JSON with a 'twocircuit' block")
+    p.add_argument("--ds-config", help="DeepSpeed JSON with a 'twocircuit' block")
+    p.add_argument("--help-config", action="store_true", help="list every twocircuit key with its default and meaning")
     p.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. train.steps=50")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.help_config and not args.ds_config:
+        p.error("the following arguments are required: --ds-config")
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.help_config:
+        print("The 'twocircuit' block of a DeepSpeed JSON; override any key on the command line as key=value.\n")
+        print(describe())
+        return
     run = load_or_exit(load_config, args.ds_config, args.overrides, report=int(os.environ.get("RANK", "0")) == 0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
 

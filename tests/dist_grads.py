@@ -11,13 +11,17 @@ import sys
 
 import torch
 
-from ds_twocircuit.codec.boundary import CodecState, cut_layers
+from ds_twocircuit.codec.boundary import Codec
+from ds_twocircuit.codec.geometry import cut_layers
 from ds_twocircuit.model.pipe import Embed, TwoCircuitPipe, layer_specs, load_hf_config, tied_head
 from ds_twocircuit.model.weights import SafetensorsReader
 
 
-def make_codec(d: int, k: int, split: list[int]) -> CodecState:
-    return CodecState(name="prf", d=d, k=k, seed=5, cuts=frozenset(cut_layers(split)), step=3)
+STEP = 3   # the masks' key step, in both the pipeline and the reference
+
+
+def make_codec(d: int, k: int, split: list[int]) -> Codec:
+    return Codec(name="prf", d=d, k=k, seed=5, cuts=cut_layers(split))
 
 
 def micro_batches(vocab: int):
@@ -51,11 +55,12 @@ def reference_grads(model_dir: str, split: list[int], k: int) -> dict[str, torch
         else:
             mods.append(s.build())
     total = 0.0
-    for inputs, r in micro_batches(config.vocab_size):
-        x = inputs
-        for m in mods:
-            x = m(x)
-        total = total + linear_loss(x, r) / 2          # DeepSpeed divides by accumulation steps
+    with codec.keyed(STEP):
+        for inputs, r in micro_batches(config.vocab_size):
+            x = inputs
+            for m in mods:
+                x = m(x)
+            total = total + linear_loss(x, r) / 2          # DeepSpeed divides by accumulation steps
     total.backward()
     out = {}
     for m in mods:
@@ -85,7 +90,8 @@ def main(model_dir, split_json, ks, out_dir):
     for k in ks:
         pipe.codec.k = k                   # every layer holds this one codec state
         engine.reset_activation_shape()    # the payload's width changes with k
-        engine.train_batch(iter(micro_batches(config.vocab_size)))
+        with pipe.codec.keyed(STEP):
+            engine.train_batch(iter(micro_batches(config.vocab_size)))
         os.makedirs(f"{out_dir}/k{k}", exist_ok=True)
         save_file(grads, f"{out_dir}/k{k}/grads_stage{pipe.stage_id}.safetensors")
 

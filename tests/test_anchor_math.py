@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ds_twocircuit.anchor.forecast import forecast, fires_replaying, forecast_steps, is_fire_step, weights_step
-from ds_twocircuit.anchor.sign import corrected_gradient, pack_signs, sign_agreement, unpack_signs
+from ds_twocircuit.anchor.sign import agreement_count, corrected_gradient, pack_signs, unpack_bits
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 12345])
@@ -13,9 +13,9 @@ def test_pack_round_trip_and_size(numel):
     m = torch.randn(numel)
     buf = pack_signs(m)
     assert len(buf) == math.ceil(numel / 8)
-    assert torch.equal(unpack_signs(buf, numel), torch.where(m > 0, 1.0, -1.0))
+    assert torch.equal(unpack_bits(buf, numel), m > 0)
     with pytest.raises(ValueError, match="expected"):
-        unpack_signs(buf + b"\0", numel)
+        unpack_bits(buf + b"\0", numel)
 
 
 def test_correction_closed_forms():
@@ -26,7 +26,7 @@ def test_correction_closed_forms():
     ref = 0.25 * g + 0.75 * g.abs() * s
     torch.testing.assert_close(out, ref)
     assert corrected_gradient(g, s, alpha=1.0).tolist() == g.tolist()
-    assert math.isclose(sign_agreement(g, s), 3 / 5, rel_tol=1e-6)
+    assert agreement_count(g, s > 0) == 3                          # 2, −3 and the zero agree
 
 
 def test_formula_on_random_values():

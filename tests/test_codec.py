@@ -3,11 +3,13 @@ import pytest
 import torch
 
 from ds_twocircuit.codec import prf
-from ds_twocircuit.codec.boundary import CodecState, cut_layers, top_basis
+from ds_twocircuit.codec.boundary import Codec
+from ds_twocircuit.codec.geometry import cut_layers
+from ds_twocircuit.codec.lowrank import top_basis
 
 
-def codec(d=64, k=8, step=0, name="prf"):
-    return CodecState(name=name, d=d, k=k, seed=5, cuts=frozenset({3}), step=step)
+def codec(d=64, k=8, name="prf"):
+    return Codec(name=name, d=d, k=k, seed=5, cuts={3})
 
 
 def test_exactly_k_distinct_sorted_in_range():
@@ -104,17 +106,19 @@ def test_unbiased_over_steps():
     pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
     acc = torch.zeros_like(x)
     n = 3000
+    c = codec(k=8)
     for step in range(n):
-        c = codec(k=8, step=step)
-        acc += c.decode(c.encode(x, pos, sid, 3), pos, sid, 3, torch.float32)
+        with c.keyed(step):
+            acc += c.decode(c.encode(x, pos, sid, 3), pos, sid, 3, torch.float32)
     # x̂_i = x_i·(d/k)·Bernoulli(k/d): mean x_i, variance x_i²(d/k − 1); z-scores of the n-step mean
     z = (acc / n - x) / (x.abs() * ((64 / 8 - 1) / n) ** 0.5)
     assert z.abs().max() < 5, z.abs().max()
     assert 0.7 < z.pow(2).mean() < 1.3, z.pow(2).mean()     # the variance is the exact-k one, no more
     c = codec(k=8)
-    y = c.encode(x, pos, sid, 3)
+    with c.counting() as n:
+        y = c.encode(x, pos, sid, 3)
     assert y.shape == (2, 3, 8)
-    assert c.take_counters() == (2 * 3 * 8 * 4, 2 * 3 * 64 * 4)
+    assert (n.payload, n.dense) == (2 * 3 * 8 * 4, 2 * 3 * 64 * 4)
 
 
 def test_keep_all_is_bitwise_dense():
@@ -138,28 +142,30 @@ def test_gradient_is_the_same_k_coordinates():
 def test_bf16_payload():
     x = torch.randn(2, 3, 64)
     pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
-    c = CodecState(name="prf", d=64, k=8, cuts=frozenset({3}), payload_dtype=torch.bfloat16)
-    y = c.encode(x, pos, sid, 3)
-    assert y.dtype == torch.bfloat16 and c.take_counters()[0] == 2 * 3 * 8 * 2
+    c = Codec(name="prf", d=64, k=8, cuts={3}, payload_dtype=torch.bfloat16)
+    with c.counting() as n:
+        y = c.encode(x, pos, sid, 3)
+    assert y.dtype == torch.bfloat16 and n.payload == 2 * 3 * 8 * 2
 
 
 def test_lowrank_projector():
     x = torch.randn(500, 64) @ torch.randn(64, 64) * 0.1
     q = top_basis(x, 8)
     torch.testing.assert_close(q.T @ q, torch.eye(8), atol=1e-5, rtol=0)
-    c = CodecState(name="lowrank", d=64, k=8, cuts=frozenset({3}))
-    c.set_basis(3, q)
+    c = Codec(name="lowrank", d=64, k=8, cuts={3})
+    c.set_bases({3: q})
     with pytest.raises(ValueError, match="orthonormal"):
-        c.set_basis(3, q * 2)
+        c.set_bases({3: q * 2})
     with pytest.raises(ValueError, match="shape"):
-        c.set_basis(3, q[:, :4])
+        c.set_bases({3: q[:, :4]})
     xb = x[:6].view(2, 3, 64)
     pos, sid = torch.arange(3).expand(2, 3), torch.arange(2)
     out = c.decode(c.encode(xb, pos, sid, 3), pos, sid, 3, torch.float32)
     torch.testing.assert_close(out, xb @ q @ q.T)
     assert c.encode(xb, pos, sid, 4) is xb          # not a compressed cut
-    c.enabled = False
-    assert c.encode(xb, pos, sid, 3) is xb          # the codec-off switch
+    with c.off():
+        assert c.encode(xb, pos, sid, 3) is xb      # the codec-off switch
+    assert c.encode(xb, pos, sid, 3) is not xb      # and only inside its block
 
 
 def test_cut_layers():
@@ -171,7 +177,6 @@ def test_generation_through_codec_keep_all_is_dense(tiny_model):
     and positions included); a 25 % PRF or a rank-k static basis changes them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ds_twocircuit.codec.boundary import CodecState
     from ds_twocircuit.codec.inference import static_bases, through_codec
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -180,13 +185,12 @@ def test_generation_through_codec_keep_all_is_dense(tiny_model):
     d, cuts = model.config.hidden_size, frozenset(range(model.config.num_hidden_layers - 1))
     with torch.no_grad():
         dense = model(**enc).logits
-        with through_codec(model, CodecState(name="prf", d=d, k=d, cuts=cuts)):
+        with through_codec(model, Codec(name="prf", d=d, k=d, cuts=cuts)):
             assert torch.equal(model(**enc).logits, dense)
-        with through_codec(model, CodecState(name="prf", d=d, k=d // 4, cuts=cuts)):
+        with through_codec(model, Codec(name="prf", d=d, k=d // 4, cuts=cuts)):
             assert not torch.allclose(model(**enc).logits, dense, atol=1e-3)
-        low = CodecState(name="lowrank", d=d, k=4, cuts=cuts)
-        for layer, q in static_bases(model, enc, sorted(cuts), 4).items():
-            low.set_basis(layer, q)
+        low = Codec(name="lowrank", d=d, k=4, cuts=cuts)
+        low.set_bases(static_bases(model, enc, sorted(cuts), 4))
         with through_codec(model, low):
             assert not torch.allclose(model(**enc).logits, dense, atol=1e-3)
         assert torch.equal(model(**enc).logits, dense)          # hooks removed on exit

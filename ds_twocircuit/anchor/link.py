@@ -1,226 +1,179 @@
-"""The trainer's side of the anchor circuit: ship θ and batches, adopt published signs on every rank.
+"""The trainer's side of the anchor circuit: ship θ and batches, bring a published sign to every rank.
 
-Only global rank 0 touches the mailbox (it already holds the dense θ(t) in its sampler), so the
+Only global rank 0 touches the mailbox (it holds the dense θ(t) its sampler was synced with), so the
 trainer's other nodes need no shared filesystem; the anchor only needs a file transport to rank 0's
-mailbox. Per step t (before the update):
+mailbox. `step(t)`, before step t's update, on every rank:
 
-    ship    rank 0: if t = max(0, f − K) for a fire f of this run, write θ(t) per stage and the batch
-            θ(t) generated, then one request per such fire (mailbox.py)
-    adopt   rank 0 picks the sign to hold: the newest published fire f ≤ t (sync mode first waits for
-            the fire due at t); the choice is broadcast (one int), so every rank switches at the same
-            step; each rank gets its own stage's bits from rank 0 (p2p, ⌈P_rank/8⌉ bytes), plus the
-            tied head's copy of the embedding's bits on the last stage; lowrank bases go to everyone
+    ship        rank 0: if t = max(0, f − K) for a fire f of this run, write θ(t) per stage and the
+                batch θ(t) generated, then one request per such fire (mailbox.py)
+    pick        rank 0: the newest published fire f ≤ t whose files all check out (checksums,
+                layout; a bad file is logged and skipped, never sent); sync mode first waits for the
+                fire due at t. The pick is broadcast (one int), so every rank switches at the same step
+    distribute  each rank gets its own stage's bits from rank 0 (p2p, ⌈P_rank/8⌉ bytes), plus the
+                tied head's copy of the embedding's bits on the last stage; lowrank bases go to all
 
-A managed anchor (the default) is a child of rank 0 with its own log (`anchor.log`); when it dies the
-trainer keeps the held sign, logs its growing age, and restarts it at the next fire (it resumes M
-from its own state file). An external anchor that does not answer within `anchor.timeout` seconds is
-waited for no longer: the held sign stays. Rank 0 checks every file of a fire (checksums, layout)
-before the choice is broadcast, so a corrupt or mismatched sign is logged and skipped, never sent.
+and returns the newly adopted `Sign` (None when the held one stays) with the step's anchor metrics.
+A managed anchor (process.py) that dies is restarted at the next fire while the held sign ages; an
+external one that does not answer within `anchor.timeout` seconds is waited for no longer.
 """
-import os
+import math
 import pathlib
-import shutil
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm import broadcast_tensors
 from . import mailbox as mb
 from .forecast import fires_replaying, forecast_steps, weights_step
+from .process import AnchorProcess
+from .sign import pack_bits, unpack_bits
 
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-             "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+@dataclass
+class Sign:
+    fire: int
+    bits: dict[str, torch.Tensor]          # HF name → bool tensor of the parameter's shape (True: M > 0)
+    bases: dict[int, torch.Tensor] | None  # lowrank: cut layer → Q refreshed at this fire
 
 
 class AnchorLink:
-    def __init__(self, tc, run_dir: pathlib.Path, engine, pipe, correction, config_json: str, shapes: dict | None):
+    def __init__(self, tc, run_dir: pathlib.Path, pipeline, config_json: str, shapes: dict | None):
         """`shapes`: HF name → (shape, dtype) of the whole model (rank 0's sampler); None elsewhere."""
         self.a, self.steps, self.shapes = tc.anchor, tc.train.steps, shapes
-        self.engine, self.pipe, self.correction = engine, pipe, correction
-        self.codec = pipe.codec
+        self.pipe, self.lowrank_cuts = pipeline.pipe, sorted(pipeline.codec.cuts) if tc.codec.name == "lowrank" else []
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
-        self.held, self.proc, self.restarts, self.waited, self.gave_up = -1, None, 0, 0.0, False
-        self.staged = None   # rank 0: (fire, name → bits, bytes read, bases) checked, to send
-        self.bytes_up = 0
-        grid = engine.grid
+        self.held = -1                      # the fire whose sign every rank holds
+        grid = pipeline.engine.grid
         self.stage_of_rank = {grid.stage_to_global(stage_id=s, data=d): s
                               for s in range(grid.pipe_parallel_size) for d in range(grid.data_parallel_size)}
+        self.process = None
         if self.rank0:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "STOP").unlink(missing_ok=True)
             (self.root / "config.json").write_text(config_json)
             if not self.a.external:
-                self._start()
+                self.process = AnchorProcess(self.root, self.a.max_restarts)
+                self.process.start()
 
-    # ---- the managed process ----------------------------------------------------------------
-    def _start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        env["OMP_NUM_THREADS"] = "1"
-        log = open(self.root / "anchor.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox", str(self.root),
-                                      "--parent-pid", str(os.getpid())], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        (self.root / "anchor.pid").write_text(str(self.proc.pid))
+    def step(self, t: int, theta: dict | None, rollout, kl_coef: float) -> tuple[Sign | None, dict]:
+        """Ship for step t (rank 0) and adopt the sign rank 0 picks; → (the new sign or None, metrics)."""
+        up = self._ship(t, theta, rollout, kl_coef) if self.rank0 else 0
+        fire, staged, waited = self._pick(t) if self.rank0 else (-1, None, 0.0)
+        choice = torch.tensor([fire], dtype=torch.int64)
+        dist.broadcast(choice, src=0)
+        new, down = None, 0
+        if int(choice) > self.held:
+            new, down = self._distribute(int(choice), staged)
+            self.held = new.fire
+        out = {"anchor/bytes_up": float(up), "anchor/bytes_down": float(down), "anchor/bytes": float(up + down),
+               "anchor/wait": waited, "anchor/restarts": float(self.process.restarts if self.process else 0)}
+        if self.held >= 0:
+            out.update({"anchor/age": float(t - weights_step(self.held, self.a.staleness)), "anchor/fire": float(self.held)})
+        return new, out
 
-    def _alive(self) -> bool:
-        """Managed: the child runs (else restart it, within `max_restarts`). External: always assumed."""
-        if self.gave_up:
-            return False
-        if self.proc is None or self.proc.poll() is None:
-            return True
-        print(f"[anchor] the anchor process exited with {self.proc.returncode}; holding sign of fire {self.held}",
-              file=sys.stderr, flush=True)
-        if self.restarts < self.a.max_restarts:
-            self.restarts += 1
-            self._start()
-        else:
-            print(f"[anchor] {self.restarts} restarts used (anchor.max_restarts): training on without new signs",
-                  file=sys.stderr, flush=True)
-            self.gave_up = True
-        return False
+    def ships_at(self, t: int) -> bool:
+        """Whether step t ships θ(t) (then rank 0 must hold the dense weights of step t)."""
+        return bool(fires_replaying(t, self.a.every, self.a.staleness, self.steps))
 
     def close(self) -> None:
         if self.rank0:
             (self.root / "STOP").touch()
-            if self.proc is not None:
-                try:
-                    self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+            if self.process is not None:
+                self.process.wait()
 
-    # ---- shipping (rank 0) ------------------------------------------------------------------
-    def ship(self, t: int, theta: dict[str, torch.Tensor], rollout, kl_coef: float) -> None:
-        """θ(t) per stage and the batch θ(t) generated, then the requests (rank 0); kl_coef is the β
-        step t trains with (the drift controller moves it), so the anchor replays the same loss."""
-        self.bytes_up = 0
+    def collect(self) -> None:
+        """Rank 0: drop shipped inputs the anchor can no longer need (older than the held fire's
+        weights step minus one cadence, which the forecast may still read) and superseded signs."""
+        if self.rank0 and self.held >= 0:
+            mb.prune(self.root, weights_step(self.held, self.a.staleness) - self.a.every, self.held)
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+    def _ship(self, t: int, theta: dict, rollout, kl_coef: float) -> int:
+        """θ(t) per stage and the batch θ(t) generated, then the requests; → bytes written. kl_coef
+        is the β step t trains with (the drift controller moves it), so the anchor replays the same loss."""
         fires = fires_replaying(t, self.a.every, self.a.staleness, self.steps)
         if not fires:
-            return
+            return 0
+        written = 0
         for i, names in enumerate(self.pipe.hf_names_per_stage()):
             path = mb.theta_path(self.root, t, i)
             mb.write_tensors(path, t, {n: theta[n] for n in names})
-            self.bytes_up += path.stat().st_size
+            written += path.stat().st_size
         path = mb.batch_path(self.root, t)
         mb.write_tensors(path, t, {f: getattr(rollout, f) for f in rollout.__dataclass_fields__})
-        self.bytes_up += path.stat().st_size
+        written += path.stat().st_size
         for f in fires:
             _, older = forecast_steps(f, self.a.staleness, self.a.every)
-            older = older if self.a.forecast else None
-            mb.write_request(self.root, {"fire": f, "weights_step": t, "older_step": older, "stages": self.pipe.num_stages,
-                                         "every": self.a.every, "staleness": self.a.staleness, "kl_coef": kl_coef})
+            mb.write_request(self.root, {"fire": f, "weights_step": t, "older_step": older if self.a.forecast else None,
+                                         "stages": self.pipe.num_stages, "every": self.a.every,
+                                         "staleness": self.a.staleness, "kl_coef": kl_coef})
+        return written
 
-    # ---- adoption (every rank) --------------------------------------------------------------
-    def adopt(self, t: int) -> dict:
-        """Switch to the sign rank 0 picks for step t; → this step's anchor metrics (rank 0)."""
-        choice = torch.tensor([self._choose(t) if self.rank0 else -1], dtype=torch.int64)
-        dist.broadcast(choice, src=0)
-        f, down = int(choice), 0
-        if f > self.held:
-            down = self._receive(f)
-            self.held = f
-        out = {"anchor/bytes_up": float(self.bytes_up), "anchor/bytes_down": float(down),
-               "anchor/bytes": float(self.bytes_up + down), "anchor/wait": self.waited,
-               "anchor/restarts": float(self.restarts)}
-        if self.held >= 0:
-            out.update({"anchor/age": float(t - weights_step(self.held, self.a.staleness)), "anchor/fire": float(self.held)})
-        return out
-
-    def _choose(self, t: int) -> int:
-        """Rank 0: the newest published fire ≤ t; in sync mode wait for the fire due at t first."""
+    def _pick(self, t: int) -> tuple[int, tuple | None, float]:
+        """The newest published fire ≤ t (sync mode: after waiting for the fire due at t), its
+        checked files (stage bits, bytes read, bases), and the seconds waited; the held fire and
+        None when there is nothing newer that checks out."""
         due, start = (t // self.a.every) * self.a.every, time.perf_counter()
         if self.a.mode == "sync" and due > self.held:
             while not mb.sign_dir(self.root, due).is_dir():
-                if not self._alive():
+                if self.process is not None and self.process.restart_if_exited(self.held):
                     break
                 if time.perf_counter() - start > self.a.timeout:
                     print(f"[anchor] no sign for fire {due} after {self.a.timeout:.0f} s; holding fire {self.held}",
                           file=sys.stderr, flush=True)
                     break
                 time.sleep(0.02)
-        else:
-            self._alive()
-        self.waited = time.perf_counter() - start
+        elif self.process is not None:
+            self.process.restart_if_exited(self.held)
+        waited = time.perf_counter() - start
         ready = [f for f in mb.published_fires(self.root) if f <= t]
         if not ready or max(ready) <= self.held:
-            return self.held
+            return self.held, None, waited
+        f = max(ready)
         try:   # check every file before anyone waits for the bits: a bad file is skipped, not fatal
-            f = max(ready)
-            bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.codec.name == "lowrank" else None
-            self.staged = (f, *self._read_stage_bits(f), bases)
+            bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.lowrank_cuts else None
+            return f, (*self._read_stage_bits(f), bases), waited
         except mb.MailboxError as e:
-            print(f"[anchor] fire {max(ready)} rejected: {e}; holding fire {self.held}", file=sys.stderr, flush=True)
-            return self.held
-        return max(ready)
+            print(f"[anchor] fire {f} rejected: {e}; holding fire {self.held}", file=sys.stderr, flush=True)
+            return self.held, None, waited
 
-    def _receive(self, f: int) -> int:
-        """Every rank ends with `correction.signs` for fire f; → bytes rank 0 read from the mailbox."""
-        names = self.pipe.sign_names(self.pipe.stage_id)
-        params = self.pipe.hf_parameters_all()
-        numel = sum(params[n].numel() for n in names)
-        read = 0
-        if self.rank0:
-            _, stage_bits, read, _ = self.staged
-            for r in range(1, dist.get_world_size()):
-                s = self.stage_of_rank[r]
-                buf = np.packbits(np.concatenate([stage_bits[n] for n in self.pipe.sign_names(s)]), bitorder="little")
-                dist.send(torch.from_numpy(buf), dst=r)
-            mine = np.concatenate([stage_bits[n] for n in names])
-        else:
-            buf = torch.empty((numel + 7) // 8, dtype=torch.uint8)
-            dist.recv(buf, src=0)
-            mine = np.unpackbits(buf.numpy(), count=numel, bitorder="little").astype(bool)
-        flat, signs, off = torch.from_numpy(mine), {}, 0
-        for n in names:
-            signs[n] = flat[off:off + params[n].numel()].view(params[n].shape)
-            off += params[n].numel()
-        self.correction.signs = signs
-        if self.codec.name == "lowrank":
-            self._receive_bases()
-        return read
-
-    def _read_stage_bits(self, f: int) -> tuple[dict[str, np.ndarray], int]:
-        """Rank 0: every stage's sign file, checked against that stage's layout → name → bool array."""
+    def _read_stage_bits(self, f: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Every stage's sign file, checked against that stage's layout → (name → flat bool, bytes read)."""
         out, read = {}, 0
         for s, names in enumerate(self.pipe.hf_names_per_stage()):
             shapes = {n: tuple(self.shapes[n][0]) for n in names}
             path = mb.sign_dir(self.root, f) / f"stage{s}.sign"
             _, bits, numel = mb.read_sign(path, s, shapes, newer_than=self.held)
             read += path.stat().st_size
-            flat = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=numel, bitorder="little").astype(bool)
-            off = 0
-            for n, shp in shapes.items():
-                k = int(np.prod(shp))
-                out[n], off = flat[off:off + k], off + k
+            out.update(zip(shapes, unpack_bits(bits, numel).split([math.prod(shp) for shp in shapes.values()])))
         return out, read
 
-    def _receive_bases(self) -> None:
-        from ..engine import broadcast_tensors
-        cuts = sorted(self.codec.cuts)
-        qs = None
+    # ---- every rank -------------------------------------------------------------------------
+    def _distribute(self, f: int, staged: tuple | None) -> tuple[Sign, int]:
+        """Every rank ends with its stage's bits of fire f (and the bases); → (Sign, bytes rank 0 read)."""
+        names = self.pipe.sign_names(self.pipe.stage_id)
+        params = self.pipe.hf_parameters_all()
+        numel = sum(params[n].numel() for n in names)
+        read = 0
         if self.rank0:
-            qs = [self.staged[3][f"cut{l}"] for l in cuts]
-        for layer, q in zip(cuts, broadcast_tensors(qs, len(cuts))):
-            self.codec.set_basis(layer, q)
-
-    def collect(self) -> None:
-        """Rank 0: drop shipped inputs the anchor can no longer need (older than the held fire's
-        weights step minus one cadence, which the forecast may still read) and superseded signs."""
-        if not self.rank0 or self.held < 0:
-            return
-        keep_from = weights_step(self.held, self.a.staleness) - self.a.every
-        for sub in ("theta", "batch"):
-            for step in mb.steps_in(self.root / sub, "" if sub == "theta" else ".safetensors"):
-                if step < keep_from:
-                    target = self.root / sub / f"step{step:08d}"
-                    if sub == "theta":
-                        shutil.rmtree(target, ignore_errors=True)
-                    else:
-                        for suffix in (".safetensors", ".json"):
-                            target.with_suffix(suffix).unlink(missing_ok=True)
-        for f in mb.published_fires(self.root):
-            if f < self.held:
-                shutil.rmtree(mb.sign_dir(self.root, f), ignore_errors=True)
+            stage_bits, read, _ = staged
+            for r in range(1, dist.get_world_size()):
+                s = self.stage_of_rank[r]
+                buf = pack_bits(torch.cat([stage_bits[n] for n in self.pipe.sign_names(s)]))
+                dist.send(torch.frombuffer(bytearray(buf), dtype=torch.uint8), dst=r)
+            mine = torch.cat([stage_bits[n] for n in names])
+        else:
+            buf = torch.empty((numel + 7) // 8, dtype=torch.uint8)
+            dist.recv(buf, src=0)
+            mine = unpack_bits(buf.numpy().tobytes(), numel)
+        flat = mine.split([params[n].numel() for n in names])
+        bits = {n: b.view(params[n].shape) for n, b in zip(names, flat)}
+        bases = None
+        if self.lowrank_cuts:
+            qs = [staged[2][f"cut{l}"] for l in self.lowrank_cuts] if self.rank0 else None
+            bases = dict(zip(self.lowrank_cuts, broadcast_tensors(qs, len(self.lowrank_cuts))))
+        return Sign(f, bits, bases), read

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import struct
 
 import torch
@@ -83,6 +84,21 @@ def steps_in(d: pathlib.Path, suffix: str = "") -> list[int]:
 def published_fires(root: pathlib.Path) -> list[int]:
     """Fires whose sign directory is in place (it is renamed in whole, so present means complete)."""
     return steps_in(root / "sign")
+
+
+def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
+    """Remove shipped θ and batches of steps before `inputs_before` and signs of fires before
+    `signs_before` (what no fire can read any more)."""
+    for step in steps_in(root / "theta"):
+        if step < inputs_before:
+            shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
+    for step in steps_in(root / "batch", ".safetensors"):
+        if step < inputs_before:
+            for suffix in (".safetensors", ".json"):
+                batch_path(root, step).with_suffix(suffix).unlink(missing_ok=True)
+    for f in published_fires(root):
+        if f < signs_before:
+            shutil.rmtree(sign_dir(root, f), ignore_errors=True)
 
 
 def write_request(root: pathlib.Path, request: dict) -> None:

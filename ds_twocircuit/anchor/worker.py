@@ -7,7 +7,7 @@ hosts. For each fire request, in fire order:
 
     θ      ← θ(s), s = max(0, f − K)                 (or θ̂ = θ(s) + (K/c)(θ(s) − θ(s−c)): forecast)
     G_anc  ← ∇ of the GRPO loss on the batch θ(s) generated, codec off, one forward + backward,
-             reference = the base model, no optimizer step
+             reference = the base model, no optimizer step (passes.dense_gradient, as the probe)
     M      ← β_M·M + (1 − β_M)·G_anc                 (fp32, per tensor; M = 0 before the first fire)
     out    ← sign(M), 1 bit per parameter, one file per trainer stage (sign.py, mailbox.py)
 
@@ -28,10 +28,13 @@ import time
 
 import torch
 
-from .. import engine as eng
-from ..codec.boundary import top_basis
+from .. import passes
+from ..calibration import recording_cuts
+from ..codec.geometry import compressed_cuts, keep_count
+from ..codec.lowrank import refresh_basis, top_basis
+from ..engine import build_pipeline, init_distributed
+from ..grpo.loss import LossCoefs
 from ..grpo.rollouts import Rollout
-from ..model.pipe import Decoder
 from . import mailbox as mb
 from .forecast import forecast
 from .sign import pack_signs
@@ -44,15 +47,17 @@ class AnchorWorker:
         one.model.layers_per_stage = [sum(tc.model.layers_per_stage)]
         one.codec.name = "dense"
         n = tc.grpo.prompts_per_step * tc.grpo.group_size
-        self.micro = math.gcd(n, ds.get("train_micro_batch_size_per_gpu", n))
-        ds1 = {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": n // self.micro,
+        micro = math.gcd(n, ds.get("train_micro_batch_size_per_gpu", n))
+        ds1 = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": n // micro,
                "train_batch_size": n, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
                "optimizer": ds.get("optimizer", {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}})}
-        self.engine, self.pipe, self.loss = eng.build_engine(model_dir, one, ds1)
-        self.params = self.pipe.hf_parameters()
-        self.base = [p.detach().clone() for p in self.pipe.parameters()]
-        trainer_codec = eng.build_codec(tc, self.pipe.config.hidden_size)   # the cuts and k the trainer uses
-        self.cuts, self.k = sorted(trainer_codec.cuts), trainer_codec.k
+        self.p = build_pipeline(model_dir, one, ds1)
+        self.params = self.p.pipe.hf_parameters()
+        self.base = [q.detach().clone() for q in self.p.pipe.parameters()]
+        self.coefs = LossCoefs.from_config(tc.grpo)
+        d = self.p.pipe.config.hidden_size
+        self.cuts = compressed_cuts(tc.codec.boundaries, tc.model.layers_per_stage)   # the trainer's cuts and k
+        self.k = keep_count(tc.codec.keep, tc.codec.keep_ratio, d)
         self.M: dict[str, torch.Tensor] = {}
         self.bases: dict[int, torch.Tensor] = {}
         self.done = -1
@@ -100,8 +105,8 @@ class AnchorWorker:
         if req.get("older_step") is not None:
             theta = forecast(theta, self._read_theta(req["older_step"], layouts), req["staleness"], req["every"])
         batch = Rollout(**mb.read_tensors(mb.batch_path(self.root, s), s))
-        self.loss.coefs = dataclasses.replace(self.loss.coefs, kl_coef=req.get("kl_coef", self.tc.grpo.kl_coef))
-        g = self.gradient(theta, batch)
+        # the β step s trained with (the drift controller may have moved it)
+        g = self.gradient(theta, batch, dataclasses.replace(self.coefs, kl_coef=req.get("kl_coef", self.coefs.kl_coef)))
         b = self.tc.anchor.beta_m
         for n, t in g.items():
             self.M[n] = b * self.M[n] + (1 - b) * t if n in self.M else (1 - b) * t
@@ -122,56 +127,25 @@ class AnchorWorker:
         missing = self.params.keys() - theta.keys()
         if missing:
             raise mb.MailboxError(f"shipped θ lacks {sorted(missing)[:3]}...")
-        for n, p in self.params.items():
-            p.copy_(theta[n])
+        for n, q in self.params.items():
+            q.copy_(theta[n])
 
-    def gradient(self, theta: dict[str, torch.Tensor], r: Rollout) -> dict[str, torch.Tensor]:
-        """G_anc: the dense gradient of the trainer's GRPO loss (token mean over the batch) at θ."""
+    def gradient(self, theta: dict[str, torch.Tensor], r: Rollout, coefs: LossCoefs) -> dict[str, torch.Tensor]:
+        """G_anc: the dense gradient of the trainer's GRPO loss (token mean over the batch) at θ; the
+        lowrank bases are refreshed from the same forward."""
         self._load(theta)
-        n_micro = r.ids_NT.shape[0] // self.micro
-        z = torch.zeros_like(r.resp_NT1)
-        ref = z
-        if self.loss.coefs.kl_coef > 0:   # the β of the request (the drift controller may have moved it)
-            with eng.swapped_weights(self.pipe, self.base):
-                ref = torch.cat(eng.pipeline_logprobs(self.engine, self.loss, eng.micro_batches(r, self.micro, z, z, z), n_micro))
-        self.loss.reset()
-        self.loss.mode, self.loss.old_is_current = "train", True
-        self.loss.scale = self.engine.gradient_accumulation_steps()
-        w = r.resp_NT1 / max(r.num_response_tokens, 1.0)
-        acts: dict = {}
-        hooks = self._record(acts)
-        try:
-            eng.forward_backward(self.engine, eng.micro_batches(r, self.micro, w, z, ref))
-        finally:
-            for h in hooks:
-                h.remove()
-        out = {n: p.grad.detach().float().clone() for n, p in self.params.items()}
-        for p in self.pipe.parameters():
-            p.grad = None
+        ref = passes.logprobs(self.p, r, self.base) if coefs.kl_coef > 0 else torch.zeros_like(r.resp_NT1)
+        layers = self.cuts if self.tc.codec.name == "lowrank" else []
+        with recording_cuts(self.p.pipe, layers) as acts:
+            grads, _ = passes.dense_gradient(self.p, r, r.num_response_tokens, ref, coefs)
         self._refresh_bases(acts)
-        return out
-
-    def _record(self, acts: dict) -> list:
-        """Forward hooks that keep each cut's activations (lowrank only)."""
-        if self.tc.codec.name != "lowrank":
-            return []
-        hooks = []
-        for m in self.pipe.modules():
-            if isinstance(m, Decoder) and m.layer_idx in self.cuts:
-                hooks.append(m.register_forward_hook(
-                    lambda mod, inp, out: acts.setdefault(mod.layer_idx, []).append(
-                        out[0].detach().reshape(-1, out[0].shape[-1]))))
-        return hooks
+        return {n: grads[n] for n in self.params}
 
     def _refresh_bases(self, acts: dict) -> None:
         for layer, xs in acts.items():
             x = torch.cat(xs).double()
             x = x[x.abs().sum(-1) > 0]
-            if layer not in self.bases:
-                self.bases[layer] = top_basis(x, self.k)
-            else:
-                q, _ = torch.linalg.qr(x.T @ (x @ self.bases[layer].double()))
-                self.bases[layer] = q.float().contiguous()
+            self.bases[layer] = top_basis(x, self.k) if layer not in self.bases else refresh_basis(x, self.bases[layer])
 
     def _publish(self, fire: int, layouts: list[dict]) -> None:
         """Write sign(M) per stage (and the bases) into a hidden directory, then rename it into place."""
@@ -224,7 +198,7 @@ def main(argv=None) -> None:
     from ..model.weights import resolve_model_dir
     tc = run.tc
     model_dir = str(resolve_model_dir(tc.model.path)) if tc.model.path else ensure_tiny_model(tc.model.tiny, tc.data.eval_size)
-    eng.init_distributed()
+    init_distributed()
     log(f"serving {root} (pid {os.getpid()})")
     AnchorWorker(root, model_dir, tc, run.ds).serve(args.parent_pid)
 

@@ -9,49 +9,87 @@ scatter is a gather, so the gradient sent back is (B, T, k) too).
     lowrank:  y_BTk = x_BTD Q_Dk,  x̂ = y Qᵀ   (Q orthonormal, one per cut, the same at both ends)
     dense:    x itself (the byte-matched control).
 
-`CodecState` is the per-process context every cut reads: the codec, k, the step the masks are
-keyed by (set before every pass of an iteration), an on/off switch (the codec-off probe), the
-lowrank bases, and the payload byte counters used for the wire accounting.
+`Codec` is what every cut of a process reads: its geometry (name, d, k, seed, cuts, payload dtype)
+and the lowrank bases, plus three settings that hold only inside a block, so a pass never leaves
+them behind for the next one:
+
+    with codec.keyed(step):        the PRF masks of every pass inside are keyed by `step`
+    with codec.off():              every cut inside is the identity (dense steps, the probe)
+    with codec.counting() as n:    n.payload, n.dense: bytes of the payloads encoded inside, and
+                                   what the same activations weigh dense (the wire accounting)
 """
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from . import prf
+from .geometry import compressed_cuts, keep_count
+from .lowrank import checked_basis
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
-class CodecState:
-    name: str = "dense"                 # dense | prf | lowrank
-    d: int = 0
-    k: int = 0
-    seed: int = 0
-    cuts: frozenset = frozenset()       # decoder layer indices after which a compressed cut sits
-    payload_dtype: torch.dtype = torch.float32
-    step: int = 0
-    enabled: bool = True
-    bases: dict = field(default_factory=dict)          # cut layer → Q_Dk (lowrank)
-    payload_bytes: int = 0                              # bytes of encoded payloads produced (fwd)
-    dense_payload_bytes: int = 0                        # what the dense activations would have been
-    recording: dict | None = None                       # cut layer → list of dense x (basis calibration)
+class PayloadCount:
+    payload: int = 0      # bytes of the encoded payloads (forward)
+    dense: int = 0        # bytes the same activations have uncompressed
+
+
+class Codec:
+    def __init__(self, name: str = "dense", d: int = 0, k: int = 0, seed: int = 0, cuts=frozenset(),
+                 payload_dtype: torch.dtype = torch.float32):
+        self.name, self.d, self.k, self.seed = name, d, k, seed
+        self.cuts = frozenset(cuts)          # decoder layer indices after which a compressed cut sits
+        self.payload_dtype = payload_dtype
+        self.bases: dict[int, torch.Tensor] = {}   # cut layer → Q_Dk (lowrank)
+        self._step, self._on, self._count = 0, True, None
+
+    # ---- scoped settings --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keyed(self, step: int):
+        prev, self._step = self._step, step
+        try:
+            yield self
+        finally:
+            self._step = prev
+
+    @contextlib.contextmanager
+    def off(self):
+        prev, self._on = self._on, False
+        try:
+            yield self
+        finally:
+            self._on = prev
+
+    @contextlib.contextmanager
+    def counting(self):
+        assert self._count is None, "payload counts do not nest"
+        self._count = PayloadCount()
+        try:
+            yield self._count
+        finally:
+            self._count = None
+
+    @property
+    def on(self) -> bool:
+        return self._on
 
     def active(self, layer: int) -> bool:
-        return self.enabled and self.name != "dense" and layer in self.cuts
+        return self._on and self.name != "dense" and layer in self.cuts
 
+    # ---- the cut ----------------------------------------------------------------------------
     def encode(self, x_BTD, pos_BT, sid_B, layer: int):
-        if self.recording is not None and layer in self.cuts:
-            self.recording.setdefault(layer, []).append(x_BTD.detach().reshape(-1, x_BTD.shape[-1]))
         if not self.active(layer):
             return x_BTD
         if self.name == "prf":
-            y = x_BTD.gather(-1, prf.kept_for(self.seed, layer, self.step, sid_B, pos_BT, self.d, self.k))
+            y = x_BTD.gather(-1, prf.kept_for(self.seed, layer, self._step, sid_B, pos_BT, self.d, self.k))
         else:
             y = x_BTD @ self.bases[layer].to(x_BTD.dtype)
         y = y.to(self.payload_dtype)
-        self.payload_bytes += y.numel() * y.element_size()
-        self.dense_payload_bytes += x_BTD.numel() * x_BTD.element_size()
+        if self._count is not None:
+            self._count.payload += y.numel() * y.element_size()
+            self._count.dense += x_BTD.numel() * x_BTD.element_size()
         return y
 
     def decode(self, y_BTk, pos_BT, sid_B, layer: int, dtype: torch.dtype):
@@ -59,36 +97,18 @@ class CodecState:
             return y_BTk
         y = y_BTk.to(dtype)
         if self.name == "prf":
-            idx = prf.kept_for(self.seed, layer, self.step, sid_B, pos_BT, self.d, self.k)
+            idx = prf.kept_for(self.seed, layer, self._step, sid_B, pos_BT, self.d, self.k)
             scaled = y * (self.d / self.k)   # scale the k kept values, not all d
             return torch.zeros(*y.shape[:-1], self.d, dtype=dtype, device=y.device).scatter(-1, idx, scaled)
         return y @ self.bases[layer].to(dtype).T
 
-    def set_basis(self, layer: int, q_Dk: torch.Tensor) -> None:
-        """Replace a lowrank cut's basis (the anchor refreshes them; both ends must set the same Q)."""
-        if q_Dk.shape != (self.d, self.k):
-            raise ValueError(f"basis for cut {layer}: shape {tuple(q_Dk.shape)}, expected ({self.d}, {self.k})")
-        gram = q_Dk.double().T @ q_Dk.double()
-        if not torch.allclose(gram, torch.eye(self.k, dtype=torch.float64), atol=1e-4):
-            raise ValueError(f"basis for cut {layer} is not orthonormal")
-        self.bases[layer] = q_Dk.float().contiguous()
-
-    def take_counters(self) -> tuple[int, int]:
-        out = (self.payload_bytes, self.dense_payload_bytes)
-        self.payload_bytes = self.dense_payload_bytes = 0
-        return out
+    def set_bases(self, bases: dict[int, torch.Tensor]) -> None:
+        """Replace lowrank cuts' bases (cut layer → Q); both ends of a cut must set the same Q."""
+        for layer, q in bases.items():
+            self.bases[layer] = checked_basis(q, self.d, self.k, layer)
 
 
-def top_basis(x_ND: torch.Tensor, k: int) -> torch.Tensor:
-    """Orthonormal Q (d, k): the top-k right singular vectors of the activations (PCA without centring)."""
-    _, _, vh = torch.linalg.svd(x_ND.double(), full_matrices=False)
-    return vh[:k].T.float().contiguous()
-
-
-def cut_layers(layers_per_stage: list[int]) -> list[int]:
-    """Decoder layer index after which each cut sits (boundary b is after stage b)."""
-    out, acc = [], 0
-    for n in layers_per_stage[:-1]:
-        acc += n
-        out.append(acc - 1)
-    return out
+def build_codec(c, d: int, layers_per_stage: list[int]) -> Codec:
+    """The run's codec from its `codec.*` config block, for a model of hidden size d."""
+    return Codec(name=c.name, d=d, k=keep_count(c.keep, c.keep_ratio, d), seed=c.seed,
+                 cuts=compressed_cuts(c.boundaries, layers_per_stage), payload_dtype=DTYPES[c.payload_dtype])

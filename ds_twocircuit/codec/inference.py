@@ -15,11 +15,12 @@ import contextlib
 
 import torch
 
-from .boundary import CodecState, top_basis
+from .boundary import Codec
+from .lowrank import top_basis
 
 
 @contextlib.contextmanager
-def through_codec(model, codec: CodecState):
+def through_codec(model, codec: Codec):
     """Within the block, `model` (an HF causal LM) runs every cut in `codec.cuts` through `codec`."""
     hooks = []
 

@@ -1,7 +1,8 @@
-"""Prompts, answers and rewards: the synthetic task, MATH-style rows, verifiers."""
+"""Prompts, answers and rewards: the synthetic task, MATH-style rows, verifiers, the data order."""
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 from datasets import Dataset
 
 from .math_rows import load_math_rows, math_prompt
@@ -28,3 +29,17 @@ def build_task(data_cfg) -> Task:
     if len(held) > data_cfg.eval_size:
         held = held.select(range(data_cfg.eval_size))
     return Task(train, held, prompt=math_prompt, reward=math_answer)
+
+
+def step_rows(n: int, per_step: int, seed: int, t: int) -> list[int]:
+    """Rows of an n-row training set for step t: consecutive slices of per-epoch permutations
+    (seeded by (seed, epoch)), so every prompt is seen once per epoch and a resumed run replays
+    the same batches."""
+    perms: dict[int, np.ndarray] = {}
+    rows = []
+    for i in range(t * per_step, (t + 1) * per_step):
+        epoch, pos = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+        rows.append(int(perms[epoch][pos]))
+    return rows

@@ -27,6 +27,11 @@ class LossCoefs:
     clip_ratio_c: float = 3.0
     kl_coef: float = 0.001
 
+    @classmethod
+    def from_config(cls, g) -> "LossCoefs":
+        """From the `grpo.*` config section."""
+        return cls(g.clip_low, g.clip_high, g.clip_ratio_c, g.kl_coef)
+
 
 def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
     """(B, T) k3 estimate per token of KL(π_θ‖π_ref) at tokens sampled from π: e^d − d − 1, d = logπ_ref − logπ_θ."""

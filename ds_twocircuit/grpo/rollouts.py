@@ -33,3 +33,15 @@ class Rollout:
     @property
     def num_response_tokens(self) -> float:
         return float(self.resp_NT1.sum())
+
+
+def minibatch_shards(r: Rollout, mini_batches: int, dp: int, dp_rank: int) -> list[tuple[Rollout, float]]:
+    """This data-parallel replica's part of each PPO mini-batch, with the whole mini-batch's
+    response-token count (the token mean is over the mini-batch, not the shard)."""
+    size = r.ids_NT.shape[0] // mini_batches
+    out = []
+    for m in range(mini_batches):
+        mb = r.slice(m * size, (m + 1) * size)
+        part = size // dp
+        out.append((mb.slice(dp_rank * part, (dp_rank + 1) * part), mb.num_response_tokens))
+    return out

@@ -26,7 +26,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
-from ..codec.boundary import CodecState, cut_layers
+from ..codec.boundary import Codec
+from ..codec.geometry import cut_layers
 from .weights import SafetensorsReader, load_module_from
 
 
@@ -81,7 +82,7 @@ def tied_head(embed: Embed, h_BTD: torch.Tensor) -> torch.Tensor:
 class Decoder(torch.nn.Module):
     """One HF decoder layer; decodes its input if a cut sits before it, encodes its output if after."""
 
-    def __init__(self, config, layer_idx: int, reader, codec: CodecState, decode_in: bool, encode_out: bool):
+    def __init__(self, config, layer_idx: int, reader, codec: Codec, decode_in: bool, encode_out: bool):
         super().__init__()
         layer_cls, _, rotary_cls = hf_module_classes(config)
         self.config, self.layer_idx = config, layer_idx
@@ -146,7 +147,7 @@ def load_hf_config(model_dir: str, attn_implementation: str):
     return config
 
 
-def layer_specs(config, reader, codec: CodecState, layers_per_stage: list[int]) -> list:
+def layer_specs(config, reader, codec: Codec, layers_per_stage: list[int]) -> list:
     cuts = set(cut_layers(layers_per_stage))
     specs = [TiedLayerSpec("embed", Embed, config, reader, tied_weight_attr=["embed_tokens.weight"])
              if config.tie_word_embeddings else LayerSpec(Embed, config, reader)]
@@ -173,11 +174,11 @@ class TwoCircuitPipe(PipelineModule):
     """`PipelineModule` with the split given explicitly as decoder layers per stage."""
 
     def __init__(self, model_dir: str, layers_per_stage: list[int], loss_fn, attn_implementation="sdpa",
-                 codec: CodecState | None = None, **kw):
+                 codec: Codec | None = None, **kw):
         self.config = load_hf_config(model_dir, attn_implementation)
         self.model_dir = str(model_dir)
         self.layers_per_stage = list(layers_per_stage)
-        self.codec = codec or CodecState()
+        self.codec = codec or Codec()
         super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir), self.codec, self.layers_per_stage),
                          num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform", **kw)
 

@@ -1,19 +1,33 @@
 """The sampler side of the fast circuit: generates with the full dense weights θ_t.
 
 A backend implements `Sampler`: generate completions with their own per-token log-probs, take new
-dense weights after every optimizer step. `hf.HFSampler` (HF `generate`, the CPU default) is the one
-here; a vLLM backend implements the same two methods.
+dense weights after every optimizer step, and say which weights it holds (names, shapes, dtypes:
+the trainer sizes its weight gather and checks the anchor's files by them). `hf.HFSampler` (HF
+`generate`, the CPU default) is the one here. Importing this module pulls in torch only.
 """
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
 
 
+@dataclass
+class Generation:
+    ids_NT: torch.Tensor          # prompt (left-padded) + response (right-padded)
+    attn_NT: torch.Tensor
+    resp_NT1: torch.Tensor        # response targets, target coordinates (see grpo/rollouts.py)
+    logp_NT1: torch.Tensor        # sampler log-probs of the response targets
+    texts: list[str]              # decoded responses
+
+
 class Sampler(Protocol):
-    def generate(self, prompts: list[str], n: int, *, greedy: bool, max_new_tokens: int,
-                 temperature: float) -> "Generation": ...
+    def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,
+                 temperature: float = 1.0) -> Generation:
+        """Each prompt repeated n times (adjacent) → N = len(prompts)·n rows, with the log-probs of
+        the sampled tokens under the distribution sampled from."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take new dense weights (HF names), in place."""
 
-
-from .hf import Generation, HFSampler  # noqa: E402
+    def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """HF name → (shape, dtype) of every weight it holds."""

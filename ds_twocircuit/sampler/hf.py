@@ -4,23 +4,17 @@ It records the log-probability of every token it sampled under its own sampling 
 (softmax(logits/τ), no top-k/top-p), so the trainer can measure the train-inference mismatch.
 Prompts are left-padded; the response runs through the first end-of-sequence token, padding after.
 """
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
-@dataclass
-class Generation:
-    ids_NT: torch.Tensor          # prompt (left-padded) + response (right-padded)
-    attn_NT: torch.Tensor
-    resp_NT1: torch.Tensor        # response targets, target coordinates (see grpo/rollouts.py)
-    logp_NT1: torch.Tensor        # sampler log-probs of the response targets
-    texts: list[str]              # decoded responses
+from . import Generation
 
 
 class HFSampler:
+    """The `Sampler` protocol on an fp32 HF model in this process."""
+
     def __init__(self, model_dir: str, attn_implementation: str = "sdpa"):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
@@ -35,7 +29,7 @@ class HFSampler:
         for name, t in named_tensors:
             params[name].copy_(t)
 
-    def state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
 
     @torch.no_grad()

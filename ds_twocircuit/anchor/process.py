@@ -1,0 +1,55 @@
+"""The managed anchor process: rank 0's child, restarted when it dies.
+
+The trainer starts `python -m ds_twocircuit.anchor.worker` on the run's mailbox with its own log
+(`anchor.log`), outside the trainer's torch.distributed world (none of the launcher's rank
+variables reach it). A dead anchor costs the run nothing but fresh signs: the trainer holds the last
+sign and restarts the process (it resumes M from its state file) at most `anchor.max_restarts` times.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+             "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
+class AnchorProcess:
+    def __init__(self, root: pathlib.Path, max_restarts: int):
+        self.root, self.max_restarts = root, max_restarts
+        self.proc, self.restarts, self.gave_up = None, 0, False
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        env["OMP_NUM_THREADS"] = "1"
+        log = open(self.root / "anchor.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox", str(self.root),
+                                      "--parent-pid", str(os.getpid())], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        (self.root / "anchor.pid").write_text(str(self.proc.pid))
+
+    def restart_if_exited(self, held: int) -> bool:
+        """Restart the process if it has exited, within the restart budget; → whether it had exited
+        (or was given up), i.e. whether a fire can no longer be waited for from it. `held` (the fire
+        whose sign the trainer holds) is for the message."""
+        if self.gave_up:
+            return True
+        if self.proc.poll() is None:
+            return False
+        print(f"[anchor] the anchor process exited with {self.proc.returncode}; holding sign of fire {held}",
+              file=sys.stderr, flush=True)
+        if self.restarts < self.max_restarts:
+            self.restarts += 1
+            self.start()
+        else:
+            print(f"[anchor] {self.restarts} restarts used (anchor.max_restarts): training on without new signs",
+                  file=sys.stderr, flush=True)
+            self.gave_up = True
+        return True
+
+    def wait(self, timeout: float = 30) -> None:
+        """After the trainer wrote STOP: let the process exit, or kill it."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -1,0 +1,142 @@
+"""Cross-field checks of a run's configuration, before any process group exists.
+
+Each check raises `ConfigError` with one line that names the key: the split against the model's
+layers and the world size, the codec's k against the model's width, batch arithmetic between our
+block and DeepSpeed's keys, ranges. The model's shape is read from its config.json, without
+importing transformers.
+"""
+import json
+import pathlib
+
+from ..codec.geometry import cut_layers, keep_count
+from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig, TwoCircuitConfig
+
+
+def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
+    split = tc.model.layers_per_stage
+    if not split or min(split) < 1:
+        raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
+    n_layers = model_num_layers(tc.model)
+    if sum(split) != n_layers:
+        raise ConfigError(f"model.layers_per_stage={split} sums to {sum(split)} but the model has {n_layers} "
+                          "decoder layers")
+    if world_size % len(split):
+        raise ConfigError(f"model.layers_per_stage has {len(split)} stages but the world size is "
+                          f"{world_size} (it must be a multiple: stages x data-parallel replicas)")
+    check_codec(tc.codec, split, model_hidden_size(tc.model))
+    check_batches(tc, ds, world_size // len(split))
+    g = tc.grpo
+    if g.group_size < 2:
+        raise ConfigError(f"grpo.group_size={g.group_size}: group-normalised advantages need at least 2 samples")
+    if g.temperature <= 0:
+        raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
+    for key in ("steps", "eval_every"):
+        if getattr(tc.train, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(tc.train, key)}: must be >= 1")
+    if tc.train.dense_every < 0:
+        raise ConfigError(f"train.dense_every={tc.train.dense_every}: must be >= 0 (0: never)")
+    if tc.train.probe_every < 0:
+        raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
+    check_anchor(tc.anchor)
+    check_control(tc)
+    if ds.get("zero_optimization", {}).get("stage", 0) > 1:
+        raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
+
+
+def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
+    if c.name not in CODECS:
+        raise ConfigError(f"codec.name='{c.name}': expected one of {list(CODECS)}")
+    k = keep_count(c.keep, c.keep_ratio, d)
+    if not 1 <= k <= d:
+        raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
+    if c.payload_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected fp32 or bf16")
+    cuts = cut_layers(split)
+    chosen = cuts if c.boundaries == "all" else c.boundaries
+    if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
+        raise ConfigError(f"codec.boundaries={c.boundaries}: expected 'all' or a list of cut layers from {cuts}")
+
+
+def check_control(tc: TwoCircuitConfig) -> None:
+    c = tc.control
+    if not c.enabled:
+        return
+    if tc.train.probe_every < 1:
+        raise ConfigError("control.enabled=true reads the codec-off probe: set train.probe_every >= 1")
+    if tc.train.dense_every:
+        raise ConfigError(f"train.dense_every={tc.train.dense_every}: with control.enabled=true the controller "
+                          "decides which steps run dense; set train.dense_every=0")
+    if not 0 < c.kl_coef_min <= tc.grpo.kl_coef <= c.kl_coef_max:
+        raise ConfigError(f"grpo.kl_coef={tc.grpo.kl_coef}: the controller starts from it and needs "
+                          f"0 < control.kl_coef_min ({c.kl_coef_min}) <= it <= control.kl_coef_max ({c.kl_coef_max})")
+    if c.target_slope <= 0:
+        raise ConfigError(f"control.target_slope={c.target_slope}: must be > 0")
+    if c.window < 2:
+        raise ConfigError(f"control.window={c.window}: a slope needs at least 2 probe readings")
+    if not 0 < c.dense_rate_min <= c.dense_rate_max <= 1:
+        raise ConfigError(f"control.dense_rate_min={c.dense_rate_min}, control.dense_rate_max={c.dense_rate_max}: "
+                          "need 0 < min <= max <= 1")
+    if c.gain <= 0:
+        raise ConfigError(f"control.gain={c.gain}: must be > 0")
+
+
+def check_anchor(a: AnchorConfig) -> None:
+    if a.every < 1:
+        raise ConfigError(f"anchor.every={a.every}: must be >= 1")
+    if a.staleness < 0:
+        raise ConfigError(f"anchor.staleness={a.staleness}: must be >= 0")
+    if not 0.0 <= a.alpha <= 1.0:
+        raise ConfigError(f"anchor.alpha={a.alpha}: must be in [0, 1]")
+    if not 0.0 <= a.beta_m < 1.0:
+        raise ConfigError(f"anchor.beta_m={a.beta_m}: must be in [0, 1)")
+    if a.mode not in ("sync", "async"):
+        raise ConfigError(f"anchor.mode='{a.mode}': expected sync or async")
+    if a.timeout <= 0:
+        raise ConfigError(f"anchor.timeout={a.timeout}: must be > 0 seconds")
+
+
+def check_batches(tc: TwoCircuitConfig, ds: dict, dp: int) -> None:
+    """rollout sequences = ppo_mini_batches × train_batch_size; train_batch_size = micro × gas × dp.
+
+    Missing DeepSpeed batch keys are derived from the rollout size (written into `ds`); given ones
+    must agree."""
+    g = tc.grpo
+    rollout = g.prompts_per_step * g.group_size
+    if rollout % g.ppo_mini_batches:
+        raise ConfigError(f"grpo.ppo_mini_batches={g.ppo_mini_batches} does not divide the rollout batch "
+                          f"(grpo.prompts_per_step x grpo.group_size = {rollout})")
+    per_step = rollout // g.ppo_mini_batches
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is None:
+        raise ConfigError("train_micro_batch_size_per_gpu: missing from the DeepSpeed config")
+    if per_step % (micro * dp):
+        raise ConfigError(f"train_micro_batch_size_per_gpu={micro} x data-parallel {dp} does not divide "
+                          f"the {per_step} sequences of one PPO mini-batch")
+    gas = per_step // (micro * dp)
+    if ds.setdefault("gradient_accumulation_steps", gas) != gas:
+        raise ConfigError(f"gradient_accumulation_steps={ds['gradient_accumulation_steps']} but one PPO mini-batch "
+                          f"of {per_step} sequences needs {gas} at micro-batch {micro} x data-parallel {dp}")
+    if ds.setdefault("train_batch_size", per_step) != per_step:
+        raise ConfigError(f"train_batch_size={ds['train_batch_size']} but one PPO mini-batch holds {per_step} "
+                          "sequences (grpo.prompts_per_step x grpo.group_size / grpo.ppo_mini_batches)")
+
+
+def model_num_layers(model: ModelConfig) -> int:
+    """Decoder layer count, read from config.json without importing transformers."""
+    return model.tiny.num_layers if not model.path else _hf_config_value(model, "num_hidden_layers")
+
+
+def model_hidden_size(model: ModelConfig) -> int:
+    return model.tiny.hidden_size if not model.path else _hf_config_value(model, "hidden_size")
+
+
+def _hf_config_value(model: ModelConfig, key: str) -> int:
+    cfg_file = pathlib.Path(model.path) / "config.json"
+    if not cfg_file.is_file():
+        try:  # a hub name already in the local cache
+            from huggingface_hub import hf_hub_download
+            cfg_file = pathlib.Path(hf_hub_download(model.path, "config.json"))
+        except Exception as e:
+            raise ConfigError(f"model.path='{model.path}': no config.json there or in the HF cache ({e})") from None
+    cfg = json.loads(cfg_file.read_text())
+    return cfg.get(key) or cfg["text_config"][key]

@@ -1,0 +1,163 @@
+"""Our `twocircuit` block, typed: one dataclass per section, every field documented where it is
+declared (`help` metadata, printed by `python launch/train.py --help-config`).
+
+Pure Python: the schema imports nothing heavier than the standard library.
+"""
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message names the key."""
+
+
+def opt(default, help: str):
+    """A field with its documentation; mutable defaults and sections become factories."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    if isinstance(default, type) and is_dataclass(default):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TinyModelConfig:
+    """The embedded base model (used when `model.path` is empty): a small Qwen2 built and warm-started
+    locally, no download."""
+    hidden_size: int = opt(64, "width d of the model (and of every cut)")
+    num_layers: int = opt(28, "decoder layers; 28 so the 4/4/4/4/3/3/3/3 layout of the 1.5B recipe is real")
+    num_heads: int = opt(4, "attention heads")
+    num_kv_heads: int = opt(2, "key/value heads (grouped-query attention)")
+    intermediate_size: int = opt(0, "MLP width; 0: 4 x hidden_size")
+    warmup_steps: int = opt(750, "supervised warm-start steps on the synthetic task (to ~0.35 held-out accuracy)")
+    warmup_batch: int = opt(128, "warm-start batch size")
+    warmup_lr: float = opt(1e-3, "warm-start AdamW learning rate")
+    seed: int = opt(0, "initialisation and warm-start seed")
+
+
+@dataclass
+class ModelConfig:
+    """The causal LM and its split into pipeline stages."""
+    path: str = opt("", "HF checkpoint directory or hub name (from the local cache); empty: the embedded base model")
+    layers_per_stage: list[int] = opt([4, 4, 4, 4, 3, 3, 3, 3], "decoder layers of each pipeline stage; its "
+                                      "length is the number of stages, its sum the model's layer count")
+    attn_implementation: str = opt("sdpa", "HF attention implementation")
+    tiny: TinyModelConfig = opt(TinyModelConfig, "the embedded base model")
+
+
+@dataclass
+class DataConfig:
+    """Prompts, reference answers and the held-out set."""
+    dataset: str = opt("synthetic", "'synthetic' (the embedded arithmetic task), or a local .jsonl/.parquet "
+                       "path or cached hub name of MATH-style rows")
+    split: str = opt("train", "split of `dataset` to train on (hub data sets)")
+    eval_dataset: str = opt("", "held-out rows; empty: the synthetic held-out split, or `dataset` at `eval_split`")
+    eval_split: str = opt("test", "split of the held-out data set")
+    eval_size: int = opt(512, "held-out rows evaluated (greedy accuracy)")
+    problem_key: str = opt("problem", "column of the problem text")
+    answer_key: str = opt("answer", "column of the reference answer (MATH's `solution` is reduced to its last \\boxed{})")
+    max_prompt_len: int = opt(1024, "maximum prompt length in tokens")
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO objective (SPEC S3)."""
+    prompts_per_step: int = opt(32, "B: prompts per step")
+    group_size: int = opt(8, "G: samples per prompt")
+    max_new_tokens: int = opt(5, "response length limit")
+    temperature: float = opt(1.0, "sampling temperature; log-probs are of the tempered distribution")
+    clip_low: float = opt(0.2, "ε_low of the PPO clip")
+    clip_high: float = opt(0.2, "ε_high of the PPO clip (the seeds' 'wider clipping' run: 0.28)")
+    clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages")
+    kl_coef: float = opt(0.001, "β of the k3 KL to the reference policy")
+    adv_eps: float = opt(1e-6, "ε in (r − mean) / (std + ε)")
+    ppo_mini_batches: int = opt(1, "optimizer steps per rollout batch (per epoch)")
+    ppo_epochs: int = opt(1, "passes over each rollout batch")
+
+
+@dataclass
+class TrainConfig:
+    """The run: its length, cadences and seed."""
+    steps: int = opt(100, "rollout iterations; one optimizer step each at ppo_mini_batches=1")
+    seed: int = opt(0, "data order and sampling seed")
+    eval_every: int = opt(20, "held-out evaluation cadence (also at step 0 and the last step)")
+    save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)")
+    dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
+    probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
+
+
+@dataclass
+class CodecConfig:
+    """The boundary codec (SPEC S2)."""
+    name: str = opt("dense", "dense (the byte-matched control) | prf | lowrank")
+    keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536")
+    keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)")
+    boundaries: Any = opt("all", "'all' cuts, or a list of cut layers (the decoder layer a cut follows)")
+    payload_dtype: str = opt("fp32", "fp32 | bf16 on the wire")
+    seed: int = opt(0, "the PRF key's seed")
+
+
+@dataclass
+class AnchorConfig:
+    """The dense anchor circuit (SPEC S5): sign(M) from a separate process, applied to every gradient."""
+    enabled: bool = opt(False, "run the anchor and correct every gradient with its sign")
+    every: int = opt(20, "c: fires at t = 0, c, 2c, ...")
+    staleness: int = opt(20, "K: fire t replays θ(max(0, t−K)) and the batch it generated")
+    forecast: bool = opt(False, "replay at θ̂ = θ(t−K) + (K/c)(θ(t−K) − θ(t−K−c)) instead")
+    beta_m: float = opt(0.25, "M ← β_M·M + (1−β_M)·G_anc")
+    alpha: float = opt(0.25, "G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)")
+    mode: str = opt("sync", "sync: wait for each fire's sign (reproducible) | async: the newest published one")
+    external: bool = opt(False, "the user runs launch/anchor.py (any host); else rank 0 starts it")
+    mailbox: str = opt("", "directory shared with the anchor; default <run_dir>/anchor")
+    timeout: float = opt(600.0, "sync: seconds to wait for a fire's sign before holding the last one")
+    max_restarts: int = opt(3, "a crashed managed anchor is restarted at most this often")
+
+
+@dataclass
+class ControlConfig:
+    """The drift controller (SPEC S7, control.py): β of the KL term and the rate of dense steps
+    follow the probe's true drift."""
+    enabled: bool = opt(False, "move β and the dense-step rate by the probe's drift slope")
+    target_slope: float = opt(0.002, "s*: allowed growth of the probe's dense KL to the reference, nats/token/step")
+    window: int = opt(4, "probe readings in the slope (x train.probe_every steps)")
+    gain: float = opt(1.0, "change of ln β and ln rate per unit of relative slope error (clipped to ±1)")
+    kl_coef_min: float = opt(1e-4, "lower bound of β")
+    kl_coef_max: float = opt(1.0, "upper bound of β")
+    dense_rate_min: float = opt(0.02, "lower bound of the fraction of steps run with the codec off, and its start")
+    dense_rate_max: float = opt(0.5, "upper bound of that fraction")
+
+
+@dataclass
+class LogConfig:
+    """Where the per-step metrics go besides metrics.jsonl."""
+    wandb: bool = opt(True, "log to wandb (offline unless the user is logged in or WANDB_MODE says otherwise)")
+    project: str = opt("ds_twocircuit", "wandb project")
+
+
+@dataclass
+class TwoCircuitConfig:
+    model: ModelConfig = opt(ModelConfig, "the model and its stages")
+    data: DataConfig = opt(DataConfig, "the data")
+    grpo: GRPOConfig = opt(GRPOConfig, "the objective")
+    train: TrainConfig = opt(TrainConfig, "the run")
+    codec: CodecConfig = opt(CodecConfig, "the boundary codec")
+    anchor: AnchorConfig = opt(AnchorConfig, "the anchor circuit")
+    control: ControlConfig = opt(ControlConfig, "the drift controller")
+    log: LogConfig = opt(LogConfig, "logging")
+
+
+CODECS = ("dense", "prf", "lowrank")
+
+
+def describe(cls=TwoCircuitConfig, prefix: str = "") -> str:
+    """Every key of the block with its default and its documentation, section by section."""
+    lines = []
+    for f in fields(cls):
+        key = prefix + f.name
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
+            sub = f.default_factory
+            lines += ["", f"{key}:  {' '.join((sub.__doc__ or '').split())}", describe(sub, key + ".")]
+        else:
+            default = f.default if f.default is not MISSING else f.default_factory()
+            lines.append(f"  {key} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines).strip("\n")

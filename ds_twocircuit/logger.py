@@ -1,0 +1,49 @@
+"""The run's logger: one flat namespaced dict per step to `metrics.jsonl` (and wandb, offline unless
+the user is logged in or WANDB_MODE says otherwise); held-out evaluations to `eval.jsonl`. Rank 0 only.
+"""
+import json
+import os
+import pathlib
+
+
+class RunLogger:
+    """One flat namespaced dict per step → metrics.jsonl (+ wandb). Rank 0 only; others get `None`."""
+
+    def __init__(self, run_dir: pathlib.Path, config: dict, use_wandb: bool, project: str, resume_step: int | None):
+        self.run_dir = run_dir
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            _truncate_after(run_dir / name, resume_step)
+        self.wandb = _start_wandb(run_dir, config, project) if use_wandb else None
+
+    def log(self, row: dict, file: str = "metrics.jsonl") -> None:
+        with open(self.run_dir / file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
+                            for k, v in row.items()}, step=row["step"])
+
+    def rows(self, file: str = "metrics.jsonl") -> list[dict]:
+        path = self.run_dir / file
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _truncate_after(path: pathlib.Path, resume_step: int | None) -> None:
+    """On resume keep only rows of steps before the resumed step (they will be written again)."""
+    if resume_step is None or not path.exists():
+        if resume_step is None and path.exists():
+            path.unlink()
+        return
+    rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < resume_step]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def _start_wandb(run_dir: pathlib.Path, config: dict, project: str):
+    import wandb
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        mode = "online" if wandb.api.api_key else "offline"
+    return wandb.init(project=project, dir=str(run_dir), config=config, mode=mode, name=run_dir.name)

@@ -1,0 +1,181 @@
+"""The pipeline passes of a GRPO step, each a function that returns its result:
+
+    logprobs(p, batch, weights=None)        → log π(target) of every sequence (eval_batch)
+    update(p, batch, ntok, old, ref, coefs) → one optimizer step on the GRPO loss (train_batch)
+    dense_gradient(p, batch, ntok, ref, coefs) → ∇ of the same loss, forward + backward, no step
+
+DeepSpeed calls one `loss_fn(logits, labels)` per micro-batch on the last stage and nowhere else;
+`LastStage` is that loss_fn, and hands each call to the pass that is running, only while it runs.
+Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_BT1). `weight` is
+1/N_tokens of the PPO mini-batch on response tokens (target coordinates, grpo/rollouts.py), and the
+loss is multiplied back by gradient-accumulation steps × data-parallel size, which DeepSpeed
+divides by, so the gradient is exactly the global token-mean's however the batch is split.
+
+Every pass first fits DeepSpeed's receive buffers to its batch: they are sized by the first send
+(about 1 KB of shape metadata per cut) and reused, so a pass whose padded length, or codec on/off,
+differs from the previous pass's resets them on every rank.
+"""
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from .grpo.rollouts import Rollout
+
+
+class LastStage:
+    """DeepSpeed's `loss_fn`: the running pass's loss of one micro-batch's logits."""
+
+    def __init__(self):
+        self.current = None
+
+    def __call__(self, logits_BTV, labels):
+        assert self.current is not None, "DeepSpeed called loss_fn outside a pass"
+        return self.current(logits_BTV, labels)
+
+    @contextlib.contextmanager
+    def running(self, fn):
+        self.current = fn
+        try:
+            yield fn
+        finally:
+            self.current = None
+
+
+class _LogProbs:
+    """Records log π of each micro-batch's targets; returns a zero scalar (eval_batch needs one)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.logps = temperature, []
+
+    def __call__(self, logits_BTV, labels):
+        logp, _ = token_logprobs(logits_BTV[:, :-1], labels[0], self.temperature)
+        self.logps.append(logp.detach())
+        return logp.new_zeros(())
+
+
+class _GRPOLoss:
+    """The GRPO token loss of each micro-batch (scaled, see the module docstring), its metric sums,
+    and with `old_is_current` π_old = the current forward detached (one update per rollout: ρ = 1
+    exactly, no extra pass), whose log-probs it records."""
+
+    def __init__(self, coefs: LossCoefs, temperature: float, scale: int, old_is_current: bool):
+        self.coefs, self.temperature, self.scale, self.old_is_current = coefs, temperature, scale, old_is_current
+        self.logps: list[torch.Tensor] = []
+        self.sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+
+    def __call__(self, logits_BTV, labels):
+        targets, weight, adv, old, ref = labels
+        logp, entropy = token_logprobs(logits_BTV[:, :-1], targets, self.temperature)
+        if self.old_is_current:
+            old = logp.detach()
+            self.logps.append(old)
+        loss, sums = grpo_token_loss(logp, old, ref, adv, weight, self.coefs)
+        sums["actor/entropy"] = (weight * entropy).sum()
+        for k, v in sums.items():
+            self.sums[k] += v
+        return loss * self.scale
+
+
+@dataclass
+class Update:
+    sums: dict[str, torch.Tensor]    # loss metric sums over the micro-batches (last stage; empty elsewhere)
+    old_logp: torch.Tensor | None    # on-policy: log π_old of the targets, (N, T−1) (last stage)
+    grad_norm: float                 # the global gradient norm before clipping
+
+
+def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1):
+    """DeepSpeed's ((ids, attn, sid), labels) micro-batches of `micro` sequences, in order."""
+    for i in range(0, r.ids_NT.shape[0], micro):
+        s = slice(i, i + micro)
+        yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s]),
+               (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
+
+
+def fit_shapes(p, seq_len: int) -> None:
+    """Reset DeepSpeed's receive buffers on every rank when this pass's shapes differ from the last's."""
+    key = (seq_len, p.codec.on)
+    if key != p.shape_key:
+        p.engine.reset_activation_shape()
+        p.shape_key = key
+
+
+def logprobs(p, batch: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """log π(target) of every sequence, (N, T−1), at the current weights or with `weights` swapped in
+    (the reference policy); on the last stage, zeros elsewhere."""
+    fit_shapes(p, batch.ids_NT.shape[1])
+    z = torch.zeros_like(batch.resp_NT1)
+    data = iter(micro_batches(batch, p.micro, z, z, z))
+    with p.loss.running(_LogProbs(p.temperature)) as fn, swapped_weights(p.pipe, weights):
+        p.engine.eval_batch(data, num_micro_batches=batch.ids_NT.shape[0] // p.micro, bcast_loss=False)
+    return torch.cat(fn.logps) if p.last_stage else z
+
+
+def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, old_is_current: bool) -> Update:
+    """One `train_batch` on this replica's part of a PPO mini-batch of `ntok` response tokens; the
+    optimizer's pre-hooks (clip, sign correction) run inside it."""
+    fit_shapes(p, batch.ids_NT.shape[1])
+    w = batch.resp_NT1 / max(ntok, 1.0)
+    loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
+    with p.loss.running(loss):
+        p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1)))
+    old = torch.cat(loss.logps) if old_is_current and p.last_stage else None
+    return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
+
+
+def dense_gradient(p, batch: Rollout, ntok: float, ref_NT1, coefs: LossCoefs):
+    """∇ of the GRPO loss at the current weights (π_old = π_θ, so ρ = 1), with DeepSpeed's reductions
+    over tied copies and data-parallel replicas but no optimizer step: the anchor's replay and the
+    trainer's probe. → (HF name → gradient of every parameter this rank holds, loss metric sums);
+    .grad is cleared after."""
+    fit_shapes(p, batch.ids_NT.shape[1])
+    w = batch.resp_NT1 / max(ntok, 1.0)
+    z = torch.zeros_like(batch.resp_NT1)
+    loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current=True)
+    with p.loss.running(loss):
+        forward_backward(p.engine, micro_batches(batch, p.micro, w, z, ref_NT1))
+    grads = {n: q.grad.detach().float().clone() for n, q in p.pipe.hf_parameters_all().items()}
+    for q in p.pipe.parameters():
+        q.grad = None
+    return grads, dict(loss.sums)
+
+
+class _NoOptimizerStep:
+    """A pipeline schedule with its OptimizerStep instructions removed (forward + backward + reductions)."""
+
+    def __init__(self, sched):
+        self.sched = sched
+
+    def num_pipe_buffers(self):
+        return self.sched.num_pipe_buffers()
+
+    def __iter__(self):
+        from deepspeed.runtime.pipe.schedule import OptimizerStep
+        for cmds in self.sched:
+            yield [c for c in cmds if not isinstance(c, OptimizerStep)]
+
+
+def forward_backward(engine, data_iter) -> None:
+    """`train_batch` without the optimizer step: the gradients stay in .grad, reduced over tied copies
+    and data-parallel replicas as DeepSpeed does before a step. Drives DeepSpeed's own schedule
+    executor (`_exec_schedule`), the same path `train_batch` takes."""
+    engine.set_dataiterator(data_iter)
+    engine.module.train()
+    engine.total_loss, engine.total_additional_losses, engine._compute_loss = None, None, True
+    engine._exec_schedule(_NoOptimizerStep(engine._train_schedule()))
+
+
+@contextlib.contextmanager
+def swapped_weights(pipe, other: list[torch.Tensor] | None):
+    """Run with `other` in place of the stage's parameters (zero-copy swap of .data), then swap back;
+    `other=None` runs with the stage's own."""
+    params = list(pipe.parameters()) if other is not None else []
+    for q, o in zip(params, other or []):
+        q.data, o.data = o.data, q.data
+    try:
+        yield
+    finally:
+        for q, o in zip(params, other or []):
+            q.data, o.data = o.data, q.data

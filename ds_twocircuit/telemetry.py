@@ -1,0 +1,119 @@
+"""One step's metrics across the world: partial sums per rank → one dict on rank 0 → the logged values.
+
+Every rank builds its partial sums as one flat dict with the same keys on every rank (zeros where it
+holds nothing: only the last stage has losses, each stage its own slot of the per-stage keys);
+`sum_to_rank0` gathers the dicts to global rank 0 and adds them up in rank order, key by key, so no
+value depends on where it sits in a vector or on the collective's summation order. The `finish`
+functions turn the sums into the logged metrics (SPEC S6 names). A partial that is not itself a
+metric has a name whose last part starts with "_".
+
+    losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
+    mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean} sums and the moments behind the Pearson
+                (metrics.py); with prefix probe/ for the codec-off probe
+    correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
+    movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
+    wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train /stage{s}: p2p bytes sent by
+                direction, and the codec payload with its dense size over all passes and over the
+                update passes only (the only ones with a backward); probe/_bytes_fwd
+"""
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .metrics import finish_mismatch
+
+LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+          "actor/pg_clipfrac_dual", "actor/entropy"]
+MOVEMENT = ("_d2", "_b2", "_pb", "_p2")
+WIRE = ("_fwd", "_bwd", "_pay", "_dense", "_pay_train", "_dense_train")
+CORRECTION = ["anchor/_agree", "anchor/_numel", "grad/_cd", "grad/_cc", "grad/_dd", "grad/_kd", "grad/_kk"]
+
+
+def sum_to_rank0(partials: dict[str, float]) -> dict[str, float] | None:
+    """Σ over ranks of each partial, in rank order, on global rank 0; None elsewhere."""
+    keys = sorted(partials)
+    # the key list's checksum travels last: a rank with other keys is an error, not a silent mix-up
+    vec = torch.tensor([float(partials[k]) for k in keys] + [float(zlib.crc32("\n".join(keys).encode()))],
+                       dtype=torch.float64)
+    rank0 = dist.get_rank() == 0
+    rows = [torch.empty_like(vec) for _ in range(dist.get_world_size())] if rank0 else None
+    dist.gather(vec, rows, dst=0)
+    if not rank0:
+        return None
+    assert all(r[-1] == vec[-1] for r in rows), "ranks reported different metric keys"
+    total = torch.zeros_like(vec)
+    for r in rows:
+        total += r
+    return dict(zip(keys, total[:-1].tolist()))
+
+
+def per_stage(names, stage: int, num_stages: int, prefix: str, values) -> dict[str, float]:
+    """`prefix/name/stage{s}` for every stage s: `values` at this stage's slot, 0 at the others'."""
+    return {f"{prefix}/{n}/stage{s}": (float(v) if s == stage else 0.0)
+            for s in range(num_stages) for n, v in zip(names, values)}
+
+
+def movement_partials(params, base, stage: int, num_stages: int, counted: bool) -> dict[str, float]:
+    """Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ² over this stage's parameters (one replica counts them)."""
+    v = torch.zeros(4, dtype=torch.float64)
+    if counted:
+        for p, b in zip(params, base):
+            p, b = p.detach().double(), b.double()
+            v += torch.stack([(p - b).pow(2).sum(), b.pow(2).sum(), (p * b).sum(), p.pow(2).sum()])
+    return per_stage(MOVEMENT, stage, num_stages, "weights", v.tolist())
+
+
+def finish_movement(r: dict[str, float], num_stages: int) -> dict[str, float]:
+    out = {}
+    for s in range(num_stages):
+        d2, b2, pb, p2 = (r[f"weights/{n}/stage{s}"] for n in MOVEMENT)
+        out[f"weights/rel_change/stage{s}"] = (d2 / b2) ** 0.5
+        out[f"weights/cos_base/stage{s}"] = pb / (p2 * b2) ** 0.5
+    return out
+
+
+def finish_wire(r: dict[str, float], num_stages: int) -> dict[str, float]:
+    """Wire bytes per direction, and what a dense pipeline would have sent: the same sends with each
+    compressed payload (and, on the update passes, its gradient) at its dense size."""
+    tot = {n: 0.0 for n in WIRE}
+    for s in range(num_stages):
+        for n in WIRE:
+            tot[n] += r[f"codec/{n}/stage{s}"]
+    out = {"codec/bytes_fwd": tot["_fwd"], "codec/bytes_bwd": tot["_bwd"],
+           "codec/dense_equiv_bytes": tot["_fwd"] - tot["_pay"] + tot["_dense"],
+           "codec/dense_equiv_bytes_bwd": tot["_bwd"] - tot["_pay_train"] + tot["_dense_train"]}
+    for b in range(num_stages - 1):
+        out[f"codec/boundary{b}/bytes_fwd"] = r[f"codec/_fwd/stage{b}"]
+        out[f"codec/boundary{b}/bytes_bwd"] = r[f"codec/_bwd/stage{b + 1}"]
+    return out
+
+
+def correction_partials(agreement, before, after) -> dict[str, float]:
+    """The sign correction's agreement counts and the probe's dot products (grads.GradientComparison)."""
+    return dict(zip(CORRECTION, [float(agreement.agree) if agreement else 0.0,
+                                 float(agreement.numel) if agreement else 0.0, *before.tolist(), *after.tolist()]))
+
+
+def finish_correction(r: dict[str, float], compared: bool) -> dict[str, float]:
+    """anchor/sign_agreement (when a sign is held) and, on compared steps, the gradient cosines."""
+    agree, n, cd, cc, dd, kd, kk = (r[k] for k in CORRECTION)
+    out = {"anchor/sign_agreement": agree / n} if n > 0 else {}
+    if compared and cc > 0 and dd > 0:
+        out["grad/cos_comp_dense"] = cd / (cc * dd) ** 0.5
+        out["grad/cos_corrected_dense"] = kd / (kk * dd) ** 0.5
+    return out
+
+
+def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -> dict[str, float]:
+    """The logged metrics of a step from the summed partials (probe keys on probe steps)."""
+    out = {k: r[k] for k in LOSSES}
+    out.update(finish_mismatch({k: v for k, v in r.items() if k.startswith("rollout_corr/")}))
+    if probed:
+        probe = {k[len("probe/"):]: v for k, v in r.items() if k.startswith("probe/") and k != "probe/_bytes_fwd"}
+        out.update({"probe/" + k: v for k, v in finish_mismatch(probe).items()})
+        out["probe/bytes_fwd"] = r["probe/_bytes_fwd"]
+    out.update(finish_correction(r, compared))
+    out.update(finish_movement(r, num_stages))
+    out.update(finish_wire(r, num_stages))
+    return out

@@ -1,0 +1,148 @@
+"""The identical-numbers check: the same seeded runs at two commits, diffed bit for bit.
+
+    python notebooks/same_numbers.py BEFORE AFTER [--steps 20] [--probe-every 5] [--out runs/same_numbers]
+                                     [--recipes dense prf95 lowrank lowrank_drift]
+
+A change that should not change numbers proves it: each commit is checked out into its own git
+worktree and runs each recipe there (`deepspeed --num_gpus 8 launch/train.py`, its own package on
+the path, the anchor process included), then every `metrics.jsonl` row, every `eval.jsonl` row and
+every exported weight are compared exactly. Wall-clock keys (`timing/*`, `anchor/wait`) are left out
+of the comparison; nothing else is. A commit's runs are kept under OUT/<sha>/<recipe> and reused
+when complete, so comparing a new commit against an old one reruns only the new one. Exit status
+1 when anything differs. Runs share one model cache (`$DS_TWOCIRCUIT_CACHE`), one at a time.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# recipe → the overrides that make it the check's run (control on for the drifting recipe)
+RECIPES = {"dense": [], "prf95": [], "lowrank": [], "lowrank_drift": ["control.enabled=true"]}
+WALL_CLOCK = ("timing/", "anchor/wait")
+
+
+def sha_of(rev: str) -> str:
+    return subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete(run_dir: pathlib.Path, steps: int) -> bool:
+    m = run_dir / "metrics.jsonl"
+    return m.is_file() and len(read_jsonl(m)) == steps and any((run_dir / "model").glob("*.safetensors"))
+
+
+def run_commit(sha: str, recipes: list[str], a) -> None:
+    """Each recipe at `sha`, in a temporary worktree of it, unless its run is already complete."""
+    todo = [r for r in recipes if not complete(pathlib.Path(a.out) / sha / r, a.steps)]
+    if not todo:
+        return
+    tree = pathlib.Path(tempfile.mkdtemp(prefix=f"same-{sha[:8]}-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True, capture_output=True)
+    try:
+        for recipe in todo:
+            run_dir = (pathlib.Path(a.out) / sha / recipe).resolve()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "8", "--master_port", str(free_port()),
+                   "launch/train.py", "--ds-config", f"ds_configs/{recipe}.json", "--run-dir", str(run_dir),
+                   f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
+                   "log.wandb=false", *RECIPES[recipe]]
+            print(f"[{sha[:8]}] {recipe}: {' '.join(cmd[5:])}", flush=True)
+            # cwd and PYTHONPATH: the worktree's package, for the trainer and the anchor it starts
+            with open(run_dir / "launch.log", "w") as log:
+                p = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=log,
+                                   stderr=subprocess.STDOUT)
+            if p.returncode != 0:
+                sys.exit(f"[{sha[:8]}] {recipe} failed (rc {p.returncode}): see {run_dir / 'launch.log'}")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def weights(run_dir: pathlib.Path) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted((run_dir / "model").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def ulps(a: float, b: float) -> int:
+    """How many float64 values lie between a and b (0: bitwise equal)."""
+    import struct
+    key = lambda x: (lambda i: i if i >= 0 else -(i & 0x7FFFFFFFFFFFFFFF))(struct.unpack("<q", struct.pack("<d", x))[0])
+    return abs(key(a) - key(b))
+
+
+def compare_rows(a: list[dict], b: list[dict]) -> tuple[int, list[str]]:
+    """→ (keys compared, the differences, one line each: step, key, both values, their distance in ulps)."""
+    diffs, n = [], 0
+    if [r["step"] for r in a] != [r["step"] for r in b]:
+        return 0, [f"steps differ: {[r['step'] for r in a]} vs {[r['step'] for r in b]}"]
+    for ra, rb in zip(a, b):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
+        ka, kb = keep(ra), keep(rb)
+        for k in sorted(ka.keys() ^ kb.keys()):
+            diffs.append(f"step {ra['step']}: key {k} only in {'before' if k in ka else 'after'}")
+        for k in sorted(ka.keys() & kb.keys()):
+            n += 1
+            if ka[k] != kb[k] and not (ka[k] != ka[k] and kb[k] != kb[k]):   # NaN equals NaN here
+                far = f" ({ulps(ka[k], kb[k])} ulp)" if isinstance(ka[k], float) and isinstance(kb[k], float) else ""
+                diffs.append(f"step {ra['step']}: {k} {ka[k]!r} vs {kb[k]!r}{far}")
+    return n, diffs
+
+
+def compare(before: str, after: str, recipes: list[str], out: pathlib.Path) -> bool:
+    import torch
+    same = True
+    print("\n| recipe | metrics rows | values compared | differing | eval rows equal | tensors | weights bitwise equal |")
+    print("|---|---|---|---|---|---|---|")
+    for recipe in recipes:
+        da, db = out / before / recipe, out / after / recipe
+        n, diffs = compare_rows(read_jsonl(da / "metrics.jsonl"), read_jsonl(db / "metrics.jsonl"))
+        evals = read_jsonl(da / "eval.jsonl") == read_jsonl(db / "eval.jsonl")
+        wa, wb = weights(da), weights(db)
+        w_equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+        ok = not diffs and evals and w_equal
+        same &= ok
+        print(f"| {recipe} | {len(read_jsonl(da / 'metrics.jsonl'))} | {n} | {len(diffs)} | {evals} | {len(wa)} | "
+              f"{w_equal} |")
+        for d in diffs[:20]:
+            print(f"    {recipe}: {d}")
+    return same
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--probe-every", type=int, default=5)
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--out", default=str(ROOT / "runs" / "same_numbers"))
+    a = p.parse_args(argv)
+    before, after = sha_of(a.before), sha_of(a.after)
+    for sha in (before, after):
+        run_commit(sha, a.recipes, a)
+    ok = compare(before, after, a.recipes, pathlib.Path(a.out))
+    print(f"\n{before[:8]} vs {after[:8]}, {a.steps} steps, probe every {a.probe_every}: "
+          + ("bitwise equal" if ok else "DIFFERENT"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
