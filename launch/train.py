@@ -42,12 +42,10 @@ def main(argv=None) -> None:
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ds_twocircuit.engine import init_distributed
-    from ds_twocircuit.model.tiny import ensure_tiny_model
-    from ds_twocircuit.model.weights import resolve_model_dir
+    from ds_twocircuit.model.weights import base_model_dir
     from ds_twocircuit.trainer import Trainer
 
-    tc = run.tc
-    model_dir = str(resolve_model_dir(tc.model.path)) if tc.model.path else ensure_tiny_model(tc.model.tiny)
+    model_dir = base_model_dir(run.tc)
     init_distributed()
     Trainer(run, run_dir, model_dir, resume=args.resume).run()
 

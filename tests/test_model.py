@@ -1,5 +1,6 @@
 """The embedded base model, the HF sampler, per-stage weight I/O."""
 import json
+import pathlib
 
 import torch
 
@@ -21,11 +22,13 @@ def test_tokenizer_round_trip(tmp_path):
 def test_tiny_model_is_cached_and_warm(tiny_model, cache_dir):
     info = json.loads((cache_dir.glob("tiny-*/warmup.json").__next__()).read_text())
     assert info["num_layers"] == 8 and 0.0 <= info["held_out_acc"] <= 1.0
-    mtime = (next(cache_dir.glob("tiny-*")) / "model.safetensors").stat().st_mtime
+    weights = pathlib.Path(tiny_model) / "model.safetensors"
+    assert weights.parent.parent == cache_dir
+    mtime = weights.stat().st_mtime
     from ds_twocircuit.config import TinyModelConfig
     again = ensure_tiny_model(TinyModelConfig(hidden_size=32, num_layers=8, num_heads=2, num_kv_heads=1,
                                               warmup_steps=400, warmup_batch=64), 64)
-    assert again == tiny_model and (next(cache_dir.glob("tiny-*")) / "model.safetensors").stat().st_mtime == mtime
+    assert again == tiny_model and weights.stat().st_mtime == mtime
 
 
 def test_sampler_logprobs_are_its_own(tiny_model):
@@ -44,6 +47,14 @@ def test_sampler_logprobs_are_its_own(tiny_model):
         assert (on == torch.arange(on[0], on[-1] + 1)).all()
         if ids[on[-1] + 1] == s.eos_id:
             assert on[-1] + 1 == len(row) or row[on[-1] + 1:].sum() == 0
+
+
+def test_the_cache_key_holds_the_held_out_split():
+    """Two held-out sizes are two warm starts: neither ever trained on the other's held-out rows."""
+    from ds_twocircuit.config import TinyModelConfig
+    from ds_twocircuit.model.tiny import tiny_model_key
+    assert tiny_model_key(TinyModelConfig(), 512) != tiny_model_key(TinyModelConfig(), 1000)
+    assert tiny_model_key(TinyModelConfig(), 512) == tiny_model_key(TinyModelConfig(), 512)
 
 
 def test_reader_reads_only_what_is_asked(tiny_model):

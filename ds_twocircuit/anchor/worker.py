@@ -194,13 +194,11 @@ def main(argv=None) -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port())})
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from ..model.tiny import ensure_tiny_model
-    from ..model.weights import resolve_model_dir
-    tc = run.tc
-    model_dir = str(resolve_model_dir(tc.model.path)) if tc.model.path else ensure_tiny_model(tc.model.tiny, tc.data.eval_size)
+    from ..model.weights import base_model_dir
+    model_dir = base_model_dir(run.tc)
     init_distributed()
     log(f"serving {root} (pid {os.getpid()})")
-    AnchorWorker(root, model_dir, tc, run.ds).serve(args.parent_pid)
+    AnchorWorker(root, model_dir, run.tc, run.ds).serve(args.parent_pid)
 
 
 def _free_port() -> int:

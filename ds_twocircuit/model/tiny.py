@@ -4,9 +4,11 @@ No download anywhere. The model has the reference's 28 decoder layers (so the 8-
 4/4/4/4/3/3/3/3 layout is real) at a small width, tied embeddings like Qwen2.5-1.5B, and a
 17-token character vocabulary (digits, `+ - * =`, pad/eos/unk). A supervised warm-start on the
 synthetic task's training split brings it to roughly a base model's ~0.35 held-out greedy
-accuracy, so GRPO has something to improve. It is built once per configuration and cached under
+accuracy, so GRPO has something to improve. It is built once per configuration and held-out size
+(`data.eval_size`: the warm start never sees a held-out row) and cached under
 `$DS_TWOCIRCUIT_CACHE` (default `~/.cache/ds_twocircuit`); a file lock makes concurrent ranks
-wait for one builder. Deterministic for a fixed seed on a given machine type.
+wait for one builder. Deterministic for a fixed seed on a given CPU type (other CPUs' math
+kernels round differently: see the README).
 """
 import hashlib
 import json
@@ -47,9 +49,15 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(os.environ.get("DS_TWOCIRCUIT_CACHE", pathlib.Path.home() / ".cache" / "ds_twocircuit"))
 
 
-def ensure_tiny_model(tiny, eval_size: int = 512) -> str:
-    """Path of the warm-started model for this config; builds it (once, under a lock) if missing."""
-    key = hashlib.sha256(json.dumps(asdict(tiny), sort_keys=True).encode()).hexdigest()[:12]
+def tiny_model_key(tiny, eval_size: int) -> str:
+    """The cache key: the model's config and the held-out split its warm start left out."""
+    return hashlib.sha256(json.dumps({**asdict(tiny), "eval_size": eval_size}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def ensure_tiny_model(tiny, eval_size: int) -> str:
+    """Path of the model warm-started on the synthetic training rows that the first `eval_size`
+    held-out rows are not among; builds it (once, under a lock) if missing."""
+    key = tiny_model_key(tiny, eval_size)
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"tiny-{key}"

@@ -14,6 +14,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 
+def base_model_dir(tc) -> str:
+    """The run's base model: `model.path` (a directory, or a hub name in the local cache), else the
+    embedded model warm-started without the run's held-out rows (built once, model/tiny.py)."""
+    if tc.model.path:
+        return str(resolve_model_dir(tc.model.path))
+    from .tiny import ensure_tiny_model
+    return ensure_tiny_model(tc.model.tiny, tc.data.eval_size)
+
+
 def resolve_model_dir(path: str) -> pathlib.Path:
     p = pathlib.Path(path)
     if p.is_dir():
