@@ -51,16 +51,13 @@ def initial_bases(p, batch: Rollout) -> None:
         p.codec.set_bases({layer: q})
 
 
-def calibration_batch(tokenizer_dir: str, task, micro: int) -> Rollout:
-    """Teacher-forced training rows (prompt + answer), the same on every rank: about 64 sequences,
-    a whole number of micro-batches."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.padding_side = "left"
+def calibration_batch(tokenizer, task, micro: int) -> Rollout:
+    """Teacher-forced training rows (prompt + answer), left-padded, the same on every rank: about 64
+    sequences, a whole number of micro-batches."""
     n = micro * max(1, 64 // micro)
     rows = task.train.select(range(n))
-    enc = tok([task.prompt(p) + a for p, a in zip(rows["problem"], rows["answer"])], return_tensors="pt",
-              padding=True, add_special_tokens=False)
+    enc = tokenizer([task.prompt(p) + a for p, a in zip(rows["problem"], rows["answer"])], return_tensors="pt",
+                    padding=True, padding_side="left", add_special_tokens=False)
     ids, attn = enc["input_ids"], enc["attention_mask"]
     z = torch.zeros(n, ids.shape[1] - 1)
     return Rollout(ids, attn, z, z, torch.zeros(n), torch.zeros(n), torch.arange(n))

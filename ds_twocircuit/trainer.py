@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from . import passes, telemetry
 from .anchor.correction import SignCorrection
@@ -64,17 +65,22 @@ class Trainer:
         self.p = build_pipeline(model_dir, self.tc, run.ds)
         self.base = [q.detach().clone() for q in self.p.pipe.parameters()]   # reference policy and θ_0
         self.rank0 = dist.get_rank() == 0
-        self.task = build_task(self.tc.data)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.task = build_task(self.tc.data, tokenizer)
         self.coefs = LossCoefs.from_config(self.tc.grpo)   # β moves with the drift controller
         self.wire = WireCounter(self.p.stage)
         self.compare, self.correction = self._gradient_hooks()
         self.sign = None      # HF name → sign bits of the anchor fire held, None before the first
         if self.tc.codec.name == "lowrank":
-            initial_bases(self.p, calibration_batch(model_dir, self.task, self.p.micro))
+            initial_bases(self.p, calibration_batch(tokenizer, self.task, self.p.micro))
         self.start = self._load_checkpoint() if resume else 0
         self.control, control_error = None, ""   # the controller lives on rank 0; the others follow its broadcasts
         if self.rank0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            for split, n in self.task.left_out.items():
+                if n:
+                    print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
+                          f"{self.tc.data.max_prompt_len} tokens", flush=True)
             (run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
             self.sampler = HFSampler(model_dir, self.tc.model.attn_implementation)
             self.shapes = self.sampler.weight_shapes()

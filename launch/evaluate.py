@@ -43,8 +43,8 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     tc = run.tc
-    task = build_task(tc.data)
     sampler = HFSampler(args.model, tc.model.attn_implementation)
+    task = build_task(tc.data, sampler.tokenizer)
     held = task.held_out
     prompts, answers = [task.prompt(p) for p in held["problem"]], held["answer"]
     d = sampler.model.config.hidden_size

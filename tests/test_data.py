@@ -1,10 +1,13 @@
 """Synthetic task, MATH-style rows, verifiers."""
 import json
 
+import pytest
+
 from ds_twocircuit.data import build_task
 from ds_twocircuit.data.math_rows import last_boxed, load_math_rows, math_prompt
 from ds_twocircuit.data.synthetic import synthetic_splits
 from ds_twocircuit.data.verify import exact_integer, math_answer
+from ds_twocircuit.model.tiny import build_tokenizer
 
 
 def test_synthetic_splits_disjoint_and_correct():
@@ -41,10 +44,29 @@ def test_math_rows_from_local_jsonl(tmp_path):
     assert last_boxed("a \\boxed{1} b \\boxed{{x}}") == "{x}"
 
 
+def data_cfg(**kw):
+    from ds_twocircuit.config import DataConfig
+    return DataConfig(**kw)
+
+
 def test_build_task_from_path(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
-    cfg = type("D", (), dict(dataset=str(f), split="train", eval_dataset="", eval_split="test", eval_size=8,
-                             problem_key="problem", answer_key="answer"))
-    task = build_task(cfg)
+    task = build_task(data_cfg(dataset=str(f), eval_size=8), build_tokenizer())
     assert task.reward("\\boxed{4}", "4") == 1.0 and len(task.held_out) == 1
+
+
+def test_prompts_over_max_prompt_len_are_left_out_and_counted(tmp_path):
+    """Counted in the sampler's tokens (the template included), in both splits, before eval_size cuts."""
+    f = tmp_path / "m.jsonl"
+    rows = [{"problem": "1" * n, "answer": "1"} for n in (3, 40, 5, 60, 2)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = build_tokenizer()
+    limit = len(tok(math_prompt("1" * 5), add_special_tokens=False)["input_ids"])
+    task = build_task(data_cfg(dataset=str(f), eval_size=2, max_prompt_len=limit), tok)
+    assert task.train["problem"] == ["111", "11111", "11"] and task.left_out == {"train": 2, "held_out": 2}
+    assert task.held_out["problem"] == ["111", "11111"]
+    synthetic = build_task(data_cfg(eval_size=16), tok)   # every synthetic prompt is 7 tokens
+    assert synthetic.left_out == {"train": 0, "held_out": 0} and len(synthetic.train) == 10000 - 16
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        build_task(data_cfg(dataset=str(f), max_prompt_len=1), tok)

@@ -30,6 +30,8 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"grpo.group_size={g.group_size}: group-normalised advantages need at least 2 samples")
     if g.temperature <= 0:
         raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
+    if tc.data.max_prompt_len < 1:
+        raise ConfigError(f"data.max_prompt_len={tc.data.max_prompt_len}: must be >= 1")
     for key in ("steps", "eval_every"):
         if getattr(tc.train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(tc.train, key)}: must be >= 1")

@@ -56,7 +56,7 @@ class DataConfig:
     eval_size: int = opt(512, "held-out rows evaluated (greedy accuracy)")
     problem_key: str = opt("problem", "column of the problem text")
     answer_key: str = opt("answer", "column of the reference answer (MATH's `solution` is reduced to its last \\boxed{})")
-    max_prompt_len: int = opt(1024, "maximum prompt length in tokens")
+    max_prompt_len: int = opt(1024, "rows whose prompt is longer (tokens) are left out of training and evaluation")
 
 
 @dataclass

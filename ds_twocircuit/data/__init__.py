@@ -16,19 +16,35 @@ class Task:
     held_out: Dataset
     prompt: Callable[[str], str]
     reward: Callable[[str, str], float]
+    left_out: dict[str, int]  # rows per split whose prompt is over data.max_prompt_len tokens
 
 
-def build_task(data_cfg) -> Task:
-    """The synthetic task, or MATH-style rows from `data.dataset` with the boxed template."""
+def build_task(data_cfg, tokenizer) -> Task:
+    """The synthetic task, or MATH-style rows from `data.dataset` with the boxed template. Rows whose
+    prompt is longer than `data.max_prompt_len` tokens of `tokenizer` are left out of both splits
+    (as verl's `filter_overlong_prompts`), before the held-out set is cut to `data.eval_size`."""
     if data_cfg.dataset == "synthetic":
         train, held = synthetic_splits(data_cfg.eval_size)
-        return Task(train, held, prompt=lambda p: p, reward=exact_integer)
-    train = load_math_rows(data_cfg.dataset, data_cfg.split, data_cfg.problem_key, data_cfg.answer_key)
-    held = load_math_rows(data_cfg.eval_dataset or data_cfg.dataset, data_cfg.eval_split,
-                          data_cfg.problem_key, data_cfg.answer_key)
+        prompt, reward = (lambda p: p), exact_integer
+    else:
+        train = load_math_rows(data_cfg.dataset, data_cfg.split, data_cfg.problem_key, data_cfg.answer_key)
+        held = load_math_rows(data_cfg.eval_dataset or data_cfg.dataset, data_cfg.eval_split,
+                              data_cfg.problem_key, data_cfg.answer_key)
+        prompt, reward = math_prompt, math_answer
+    train, n_train = within_length(train, prompt, tokenizer, data_cfg.max_prompt_len)
+    held, n_held = within_length(held, prompt, tokenizer, data_cfg.max_prompt_len)
+    if not len(train):
+        raise ValueError(f"data.max_prompt_len={data_cfg.max_prompt_len}: no training prompt is that short")
     if len(held) > data_cfg.eval_size:
         held = held.select(range(data_cfg.eval_size))
-    return Task(train, held, prompt=math_prompt, reward=math_answer)
+    return Task(train, held, prompt, reward, left_out={"train": n_train, "held_out": n_held})
+
+
+def within_length(rows: Dataset, prompt: Callable[[str], str], tokenizer, max_len: int) -> tuple[Dataset, int]:
+    """The rows whose prompt has at most `max_len` tokens (as the sampler encodes it), and how many were not."""
+    ids = tokenizer([prompt(p) for p in rows["problem"]], add_special_tokens=False)["input_ids"]
+    keep = [i for i, x in enumerate(ids) if len(x) <= max_len]
+    return (rows if len(keep) == len(rows) else rows.select(keep)), len(rows) - len(keep)
 
 
 def step_rows(n: int, per_step: int, seed: int, t: int) -> list[int]:
