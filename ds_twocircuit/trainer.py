@@ -175,8 +175,8 @@ class Trainer:
             return {}
         compared = probe is not None and probe.grads is not None
         return {"step": t + 1, **telemetry.finish(sums, self.p.num_stages, probe is not None, compared),
-                "critic/score/mean": float(torch.cat([mb.rewards_N for mb, _ in shards]).mean()),
-                "response_length/mean": float(torch.cat([mb.resp_NT1.sum(1) for mb, _ in shards]).mean()),
+                "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
+                "response_length/mean": float(rollout.resp_NT1.sum(1).mean()),
                 "actor/grad_norm": grad_norm, "actor/lr": self.p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2, "timing/sync": t4 - t3,
