@@ -33,6 +33,7 @@ def write(tmp_path, mutate):
     (lambda c: None, ["anchor.alpha=1.5"], "anchor.alpha"),
     (lambda c: None, ["anchor.beta_m=1"], "anchor.beta_m"),
     (lambda c: None, ["anchor.staleness=-1"], "anchor.staleness"),
+    (lambda c: c.update(fp16={"enabled": True}), ["anchor.enabled=true"], "fp16.enabled"),
     (lambda c: None, ["data.max_prompt_len=0"], "data.max_prompt_len"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):

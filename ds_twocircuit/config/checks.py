@@ -41,6 +41,9 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
     check_anchor(tc.anchor)
     check_control(tc)
+    if tc.anchor.enabled and ds.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16.enabled with anchor.enabled: the sign correction reaches fp32, bf16 and ZeRO-1 "
+                          "gradients, not fp16's master copies; use bf16")
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
 
