@@ -5,7 +5,7 @@ holds nothing: only the last stage has losses, each stage its own slot of the pe
 `sum_to_rank0` gathers the dicts to global rank 0 and adds them up in rank order, key by key, so no
 value depends on where it sits in a vector or on the collective's summation order. The `finish`
 functions turn the sums into the logged metrics (SPEC S6 names). A partial that is not itself a
-metric has a name whose last part starts with "_".
+metric has a name part that starts with "_".
 
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
     mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean} sums and the moments behind the Pearson

@@ -76,26 +76,7 @@ class Trainer:
         self.start = self._load_checkpoint() if resume else 0
         self.control, control_error = None, ""   # the controller lives on rank 0; the others follow its broadcasts
         if self.rank0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            for split, n in self.task.left_out.items():
-                if n:
-                    print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
-                          f"{self.tc.data.max_prompt_len} tokens", flush=True)
-            (run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
-            self.sampler = HFSampler(model_dir, self.tc.model.attn_implementation)
-            self.shapes = self.sampler.weight_shapes()
-            self.logger = RunLogger(run_dir, {"twocircuit": as_dict(self.tc), **run.ds},
-                                    self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
-            # a dense step's gap is the backend's alone: the codec's gap trend skips it
-            self.trends = {"rollout_corr/kl_slope": Trend("rollout_corr/kl", skip="train/dense_step"),
-                           "probe/kl_slope": Trend("probe/actor/kl_loss")}
-            self.control = DriftController(self.tc.control, self.tc.grpo.kl_coef) if self.tc.control.enabled else None
-            logged = self.logger.rows()
-            for old in logged:   # a resumed run continues its windows (and the controller)
-                for t in self.trends.values():
-                    t.update(old)
-            if self.control:
-                control_error = self.control.replay(logged, self.start)
+            control_error = self._start_rank0(run, resume)
         if self.tc.control.enabled:
             self.coefs = dataclasses.replace(self.coefs, kl_coef=self.shared_kl_coef(control_error))
         self.anchor = None
@@ -105,6 +86,29 @@ class Trainer:
             self.anchor = AnchorLink(self.tc, run_dir, self.p, json.dumps(anchor_cfg, indent=1),
                                      self.shapes if self.rank0 else None)
         self.theta, _ = self.sync_sampler(self.start)   # the sampler starts from the pipeline's weights
+
+    def _start_rank0(self, run: RunConfig, resume: bool) -> str:
+        """Rank 0's part: the run directory, the sampler, the logger, the trends and the controller
+        (both continued from the logged rows on resume); → the controller's replay error, or ""."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for split, n in self.task.left_out.items():
+            if n:
+                print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
+                      f"{self.tc.data.max_prompt_len} tokens", flush=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
+        self.sampler = HFSampler(self.model_dir, self.tc.model.attn_implementation)
+        self.shapes = self.sampler.weight_shapes()
+        self.logger = RunLogger(self.run_dir, {"twocircuit": as_dict(self.tc), **run.ds},
+                                self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
+        # a dense step's gap is the backend's alone: the codec's gap trend skips it
+        self.trends = {"rollout_corr/kl_slope": Trend("rollout_corr/kl", skip="train/dense_step"),
+                       "probe/kl_slope": Trend("probe/actor/kl_loss")}
+        self.control = DriftController(self.tc.control, self.tc.grpo.kl_coef) if self.tc.control.enabled else None
+        logged = self.logger.rows()
+        for old in logged:   # a resumed run continues its windows (and the controller)
+            for t in self.trends.values():
+                t.update(old)
+        return self.control.replay(logged, self.start) if self.control else ""
 
     def _gradient_hooks(self) -> tuple[GradientComparison, SignCorrection | None]:
         """The optimizer's pre-hooks after the clip, in order: the probe's comparison reads G_comp,
