@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from ds_twocircuit.anchor.mailbox import HEADER_BYTES, published_fires, sign_dir
 
+pytestmark = pytest.mark.dist
+
 
 def exported(run_dir) -> dict[str, torch.Tensor]:
     out = {}

@@ -1,6 +1,7 @@
 """Bad configs fail before any process group starts, with one line that names the key."""
 import json
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,3 +74,23 @@ def test_shipped_recipes_are_valid(path):
     check_deepspeed_keys(raw)
     if not tc.model.path:
         load_config(str(path), [], world_size=8)
+
+
+def test_every_key_is_documented_and_listed():
+    """`launch/train.py --help-config` shows every key of the block with its default and its help."""
+    from dataclasses import fields, is_dataclass
+
+    from ds_twocircuit.config import TwoCircuitConfig
+
+    def leaves(cls, prefix=""):
+        for f in fields(cls):
+            sub = f.default_factory if is_dataclass(f.default_factory) else None
+            yield from leaves(sub, prefix + f.name + ".") if sub else [(prefix + f.name, f)]
+
+    keys = list(leaves(TwoCircuitConfig))
+    assert len(keys) > 60 and all(f.metadata.get("help") for _, f in keys), [k for k, f in keys if not f.metadata.get("help")]
+    p = subprocess.run([sys.executable, "launch/train.py", "--help-config"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    for key, f in keys:
+        assert f"  {key} = " in p.stdout and f.metadata["help"] in p.stdout, key
