@@ -48,6 +48,11 @@ def sum_to_rank0(partials: dict[str, float]) -> dict[str, float] | None:
     return dict(zip(keys, total[:-1].tolist()))
 
 
+def owned(keys: list[str], values: dict | None) -> dict[str, float]:
+    """`keys` as floats from `values` on the rank that holds them (values given), zeros elsewhere."""
+    return {k: float(values[k]) if values is not None else 0.0 for k in keys}
+
+
 def per_stage(names, stage: int, num_stages: int, prefix: str, values) -> dict[str, float]:
     """`prefix/name/stage{s}` for every stage s: `values` at this stage's slot, 0 at the others'."""
     return {f"{prefix}/{n}/stage{s}": (float(v) if s == stage else 0.0)

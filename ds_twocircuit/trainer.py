@@ -246,7 +246,7 @@ class Trainer:
                 grads, sums = passes.dense_gradient(self.p, mb, ntok, ref, self.coefs)
                 view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
         values = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **view} if self.p.last_stage else None
-        partials = {"probe/" + k: v for k, v in owned(MISMATCH_SUMS + list(view), values).items()}
+        partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
         return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads)
 
     def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None) -> tuple[dict, float]:
@@ -270,8 +270,8 @@ class Trainer:
                         dots = dots or d
         if on_policy and p.last_stage:
             olds = [updates[0].old_logp]
-        partials = owned(telemetry.LOSSES, self._loss_sums(updates) if p.last_stage else None)
-        partials.update(owned(MISMATCH_SUMS, self._mismatch_sums(shards, olds) if p.last_stage else None))
+        partials = telemetry.owned(telemetry.LOSSES, self._loss_sums(updates) if p.last_stage else None)
+        partials.update(telemetry.owned(MISMATCH_SUMS, self._mismatch_sums(shards, olds) if p.last_stage else None))
         partials.update(telemetry.correction_partials(agreement, dots["before"], dots["after"]))
         partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,
                                                     counted=p.dp_rank == 0))
@@ -331,12 +331,6 @@ class Trainer:
             raise ValueError(f"--resume: no checkpoint under {ckpt}")
         _, client = self.p.engine.load_checkpoint(str(ckpt))
         return int(client["step"])
-
-
-def owned(keys: list[str], values: dict | None) -> dict[str, float]:
-    """`keys` as floats from `values` on the rank that holds them (values given), zeros elsewhere:
-    every rank reports the same keys (telemetry.sum_to_rank0)."""
-    return {k: float(values[k]) if values is not None else 0.0 for k in keys}
 
 
 class all_threads:
