@@ -5,7 +5,6 @@ import pathlib
 import shutil
 import socket
 import subprocess
-import sys
 
 import pytest
 

@@ -13,7 +13,7 @@ import torch
 
 from ds_twocircuit.codec.boundary import Codec
 from ds_twocircuit.codec.geometry import cut_layers
-from ds_twocircuit.model.pipe import Embed, TwoCircuitPipe, layer_specs, load_hf_config, tied_head
+from ds_twocircuit.model.pipe import TwoCircuitPipe, layer_specs, load_hf_config, tied_head
 from ds_twocircuit.model.weights import SafetensorsReader
 
 

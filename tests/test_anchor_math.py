@@ -83,7 +83,8 @@ def test_forecast_secant():
 
 
 # ---- the mailbox's files ------------------------------------------------------------------
-from ds_twocircuit.anchor.mailbox import HEADER_BYTES, MailboxError, read_sign, read_tensors, write_sign, write_tensors  # noqa: E402
+from ds_twocircuit.anchor.mailbox import (HEADER_BYTES, MailboxError, read_sign, read_state, read_tensors,  # noqa: E402
+                                          state_path, write_sign, write_state, write_tensors)
 
 SHAPES = {"a.weight": (3, 5), "b.bias": (7,)}
 
@@ -108,6 +109,25 @@ def test_tensor_round_trip_and_rejections(tmp_path):
     with pytest.raises(MailboxError, match="missing"):
         read_tensors(tmp_path / "nope.safetensors", 20)
     assert not list(p.parent.glob(".*tmp*"))
+
+
+def test_state_survives_a_kill_between_its_two_renames(tmp_path):
+    """The anchor killed while saving fire 8's state (the tensor file renamed into place, its
+    manifest not yet): a restart must resume from fire 4's state, not crash on the torn one (a
+    crash here is a crash on every restart: the CI failure of 2026-12-01). Only 2 states are kept."""
+    m = {f: {"M.a": torch.full((3,), float(f))} for f in (0, 4, 8)}
+    write_state(tmp_path, 0, m[0])
+    write_state(tmp_path, 4, m[4])
+    write_state(tmp_path, 8, m[8])
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
+        f"step{f:08d}.{x}" for f in (4, 8) for x in ("json", "safetensors")]
+    fire, got, rejected = read_state(tmp_path)
+    assert fire == 8 and torch.equal(got["M.a"], m[8]["M.a"]) and rejected == []
+    state_path(tmp_path, 8).with_suffix(".json").unlink()          # the torn write
+    fire, got, rejected = read_state(tmp_path)
+    assert fire == 4 and torch.equal(got["M.a"], m[4]["M.a"]) and "missing" in rejected[0]
+    state_path(tmp_path, 4).write_bytes(b"garbage")                # and the older one corrupt too
+    assert read_state(tmp_path)[0] == -1
 
 
 def test_sign_file_size_and_rejections(tmp_path):

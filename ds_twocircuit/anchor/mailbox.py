@@ -8,7 +8,7 @@ Layout under the mailbox directory (any file transport can carry it between host
     batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
     sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
     sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
-    state/M.safetensors                     + .json           the anchor's M (and bases) after its newest fire
+    state/step{f:08d}.safetensors           + .json           the anchor's M (and bases) after fire f (the last 2)
     STOP                                                      the trainer is done: the anchor exits
 
 A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
@@ -70,8 +70,8 @@ def sign_dir(root: pathlib.Path, fire: int) -> pathlib.Path:
     return root / "sign" / f"step{fire:08d}"
 
 
-def state_path(root: pathlib.Path) -> pathlib.Path:
-    return root / "state" / "M.safetensors"
+def state_path(root: pathlib.Path, fire: int) -> pathlib.Path:
+    return root / "state" / f"step{fire:08d}.safetensors"
 
 
 def steps_in(d: pathlib.Path, suffix: str = "") -> list[int]:
@@ -99,6 +99,28 @@ def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
     for f in published_fires(root):
         if f < signs_before:
             shutil.rmtree(sign_dir(root, f), ignore_errors=True)
+
+
+def write_state(root: pathlib.Path, fire: int, tensors: dict[str, torch.Tensor], keep: int = 2) -> None:
+    """The anchor's state after fire f, in a file of its own; the `keep` newest are kept. A process
+    killed between the tensor file's and its manifest's rename leaves a file that does not check
+    out, and the previous fire's state is still there to fall back to (read_state)."""
+    write_tensors(state_path(root, fire), fire, tensors)
+    for f in steps_in(root / "state", ".safetensors")[:-keep]:
+        for suffix in (".safetensors", ".json"):
+            state_path(root, f).with_suffix(suffix).unlink(missing_ok=True)
+
+
+def read_state(root: pathlib.Path) -> tuple[int, dict[str, torch.Tensor], list[str]]:
+    """The newest saved state that checks out → (fire, tensors, why each newer one was rejected);
+    (-1, {}, ...) when none does."""
+    rejected = []
+    for f in reversed(steps_in(root / "state", ".safetensors")):
+        try:
+            return f, read_tensors(state_path(root, f), f), rejected
+        except MailboxError as e:
+            rejected.append(str(e))
+    return -1, {}, rejected
 
 
 def write_request(root: pathlib.Path, request: dict) -> None:

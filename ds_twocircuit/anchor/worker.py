@@ -13,13 +13,13 @@ hosts. For each fire request, in fire order:
 
 With the lowrank codec each cut's basis is refreshed from the replay's activations X at that cut by
 one subspace iteration, Q ← orth(Xᵀ(X·Q)) (the first fire takes X's top-k right singular vectors),
-and shipped beside the sign. M and the bases are saved after every fire (state/M.safetensors), so a
-restarted anchor resumes where it stopped.
+and shipped beside the sign. M and the bases are saved after every fire (state/step{f}.safetensors,
+the last two kept), so a restarted anchor resumes from the newest that checks out, also when it was
+killed mid-write.
 """
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -65,19 +65,18 @@ class AnchorWorker:
 
     # ---- state ------------------------------------------------------------------------------
     def _load_state(self) -> None:
-        path = mb.state_path(self.root)
-        if not path.is_file():
+        fire, saved, rejected = mb.read_state(self.root)
+        for why in rejected:
+            log(f"state rejected: {why}")
+        if fire < 0:
             return
-        step = json.loads(path.with_suffix(".json").read_text())["step"]
-        saved = mb.read_tensors(path, step)
         self.M = {n: t for n, t in saved.items() if not n.startswith("basis.")}
         self.bases = {int(n.split("cut")[1]): t for n, t in saved.items() if n.startswith("basis.")}
-        self.done = step
-        log(f"resumed M from {path} (fire {step}, {len(self.M)} tensors)")
+        self.done = fire
+        log(f"resumed M from {mb.state_path(self.root, fire)} (fire {fire}, {len(self.M)} tensors)")
 
     def _save_state(self, fire: int) -> None:
-        mb.write_tensors(mb.state_path(self.root), fire,
-                         {**self.M, **{f"basis.cut{l}": q for l, q in self.bases.items()}})
+        mb.write_state(self.root, fire, {**self.M, **{f"basis.cut{l}": q for l, q in self.bases.items()}})
 
     # ---- serving ----------------------------------------------------------------------------
     def serve(self, parent_pid: int | None = None, poll: float = 0.1) -> None:
