@@ -7,12 +7,14 @@ under the sampler's distribution):
     rollout_corr/kl            = E[s − t]                        (k1 estimate of KL(sampler‖trainer))
     rollout_corr/k3_kl         = E[e^{t−s} − (t−s) − 1]          (k3, ≥ 0, lower variance)
     rollout_corr/prob_diff_mean= E[|e^s − e^t|]
+    rollout_corr/logp_diff_mean= E[|s − t|]                      (0 only when every token agrees)
     rollout_corr/pearson       = corr(e^s, e^t) over the tokens
 """
 import torch
 
 
-MISMATCH_SUMS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/prob_diff_mean", "rollout_corr/_ps",
+MISMATCH_SUMS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/prob_diff_mean",
+                 "rollout_corr/logp_diff_mean", "rollout_corr/_ps",
                  "rollout_corr/_pt", "rollout_corr/_ps2", "rollout_corr/_pt2", "rollout_corr/_pspt"]
 
 
@@ -27,6 +29,7 @@ def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]
         "rollout_corr/kl": (w * -d).sum(),
         "rollout_corr/k3_kl": (w * (d.exp() - d - 1)).sum(),
         "rollout_corr/prob_diff_mean": (w * (ps - pt).abs()).sum(),
+        "rollout_corr/logp_diff_mean": (w * d.abs()).sum(),
         "rollout_corr/_ps": (w * ps).sum(), "rollout_corr/_pt": (w * pt).sum(),
         "rollout_corr/_ps2": (w * ps * ps).sum(), "rollout_corr/_pt2": (w * pt * pt).sum(),
         "rollout_corr/_pspt": (w * ps * pt).sum(),

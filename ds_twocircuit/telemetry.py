@@ -8,7 +8,7 @@ functions turn the sums into the logged metrics (SPEC S6 names). A partial that 
 metric has a name part that starts with "_".
 
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
-    mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean} sums and the moments behind the Pearson
+    mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean, logp_diff_mean} sums and the moments behind the Pearson
                 (metrics.py); with prefix probe/ for the codec-off probe
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)

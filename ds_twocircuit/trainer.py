@@ -49,7 +49,8 @@ from .grpo.rollouts import Rollout, minibatch_shards
 from .logger import RunLogger
 from .metrics import MISMATCH_SUMS, Trend, mismatch_sums
 from .model.weights import export_pipeline
-from .sampler.hf import HFSampler, greedy_accuracy
+from .sampler import build_sampler
+from .sampler.hf import greedy_accuracy
 from .wire import WireCounter
 
 
@@ -96,7 +97,7 @@ class Trainer:
                 print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
                       f"{self.tc.data.max_prompt_len} tokens", flush=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
-        self.sampler = HFSampler(self.model_dir, self.tc.model.attn_implementation)
+        self.sampler = build_sampler(self.model_dir, self.tc)
         self.shapes = self.sampler.weight_shapes()
         self.logger = RunLogger(self.run_dir, {"twocircuit": as_dict(self.tc), **run.ds},
                                 self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
@@ -150,6 +151,7 @@ class Trainer:
             self.anchor.close()
         if self.rank0:
             self.logger.close()
+            self.sampler.close()
 
     def step(self, t: int) -> dict:
         """Step t on every rank; → its metrics row on rank 0 (empty elsewhere)."""
@@ -171,7 +173,7 @@ class Trainer:
             partials, grad_norm = self.update(t, shards, probe)
         sums = telemetry.sum_to_rank0(partials)
         t3 = time.perf_counter()
-        self.theta, sync_bytes = self.sync_sampler(t + 1)
+        self.theta, sync_row = self.sync_sampler(t + 1)
         if self.anchor:
             self.anchor.collect()
         t4 = time.perf_counter()
@@ -184,7 +186,7 @@ class Trainer:
                 "actor/grad_norm": grad_norm, "actor/lr": self.p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2, "timing/sync": t4 - t3,
-                "timing/step": t4 - t0, "sync/bytes": sync_bytes}
+                "timing/step": t4 - t0, **sync_row}
 
     def probe_step(self, t: int) -> bool:
         return bool(self.tc.train.probe_every) and t % self.tc.train.probe_every == 0
@@ -216,10 +218,10 @@ class Trainer:
         ts = None
         if self.rank0:
             rows = self.task.train.select(step_rows(len(self.task.train), g.prompts_per_step, self.tc.train.seed, t))
-            torch.manual_seed(self.tc.train.seed * 1_000_003 + t)
             with all_threads():
                 gen = self.sampler.generate([self.task.prompt(p) for p in rows["problem"]], g.group_size,
-                                            max_new_tokens=g.max_new_tokens, temperature=g.temperature)
+                                            max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                            seed=self.tc.train.seed * 1_000_003 + t)
             answers = [a for a in rows["answer"] for _ in range(g.group_size)]
             rewards = torch.tensor([self.task.reward(x, a) for x, a in zip(gen.texts, answers)])
             ts = Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,
@@ -302,14 +304,17 @@ class Trainer:
         return out
 
     # ---- sampler sync, evaluation, checkpoints ----------------------------------------------
-    def sync_sampler(self, next_step: int) -> tuple[dict | None, int]:
+    def sync_sampler(self, next_step: int) -> tuple[dict | None, dict]:
         """The stages' dense weights to the sampler (rank 0); → (those weights when the anchor ships
-        them at `next_step`, else None; the bytes moved)."""
+        them at `next_step`, else None; the sync's metrics: bytes gathered to rank 0, bytes the
+        sampler took in and the seconds it took)."""
         named, nbytes = gather_stage_weights(self.p.engine.grid, self.p.pipe, self.shapes if self.rank0 else None)
         if not self.rank0:
-            return None, nbytes
-        self.sampler.load_weights(named)
-        return (dict(named) if self.anchor and self.anchor.ships_at(next_step) else None), nbytes
+            return None, {}
+        t0 = time.perf_counter()
+        loaded = self.sampler.load_weights(named)
+        row = {"sync/bytes": nbytes, "sync/sampler_bytes": loaded, "timing/sampler_load": time.perf_counter() - t0}
+        return (dict(named) if self.anchor and self.anchor.ships_at(next_step) else None), row
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy with the sampler's dense weights (rank 0)."""

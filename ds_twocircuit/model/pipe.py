@@ -99,8 +99,8 @@ class Decoder(torch.nn.Module):
         pos_BT = positions_from_mask(attn_BT)
         if self.decode_in:
             h = self.codec.decode(h, pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attn_BT, cache=None,
-                                  position_ids=pos_BT)
+        # the cache goes in by position: its keyword is past_key_values before transformers 5.20, cache after
+        mask = create_causal_mask(self.config, h, attn_BT, None, position_ids=pos_BT)
         cos_sin = self.rotary(h, pos_BT)
         h = self.layer(h, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
         if self.encode_out:

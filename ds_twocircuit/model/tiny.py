@@ -41,7 +41,7 @@ def build_config(tiny, vocab_size: int):
     h = tiny.hidden_size
     return Qwen2Config(vocab_size=vocab_size, hidden_size=h, intermediate_size=tiny.intermediate_size or 4 * h,
                        num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
-                       num_key_value_heads=tiny.num_kv_heads, max_position_embeddings=64,
+                       num_key_value_heads=tiny.num_kv_heads, max_position_embeddings=256,
                        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 

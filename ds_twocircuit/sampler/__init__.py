@@ -2,8 +2,9 @@
 
 A backend implements `Sampler`: generate completions with their own per-token log-probs, take new
 dense weights after every optimizer step, and say which weights it holds (names, shapes, dtypes:
-the trainer sizes its weight gather and checks the anchor's files by them). `hf.HFSampler` (HF
-`generate`, the CPU default) is the one here. Importing this module pulls in torch only.
+the trainer sizes its weight gather and checks the anchor's files by them). Two backends:
+`hf.HFSampler` (HF `generate` in the trainer's process, the light default) and `vllm.VLLMSampler`
+(a vLLM engine; vllm is imported there only). Importing this module pulls in torch only.
 """
 from dataclasses import dataclass
 from typing import Iterable, Protocol
@@ -22,12 +23,24 @@ class Generation:
 
 class Sampler(Protocol):
     def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,
-                 temperature: float = 1.0) -> Generation:
+                 temperature: float = 1.0, seed: int | None = None) -> Generation:
         """Each prompt repeated n times (adjacent) → N = len(prompts)·n rows, with the log-probs of
-        the sampled tokens under the distribution sampled from."""
+        the sampled tokens under the distribution sampled from; `seed` makes the draws repeatable."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take new dense weights (HF names), in place."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Take new dense weights (HF names), in place; → the bytes taken in."""
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """HF name → (shape, dtype) of every weight it holds."""
+
+    def close(self) -> None:
+        """Release what it started (engine processes)."""
+
+
+def build_sampler(model_dir: str, tc) -> Sampler:
+    """The configured backend (`sampler.*`) on the model at `model_dir`."""
+    if tc.sampler.backend == "vllm":
+        from .vllm import VLLMSampler
+        return VLLMSampler(model_dir, tc.sampler, tc.data.max_prompt_len + tc.grpo.max_new_tokens, tc.train.seed)
+    from .hf import HFSampler
+    return HFSampler(model_dir, tc.model.attn_implementation, tc.sampler.dtype)

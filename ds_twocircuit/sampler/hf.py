@@ -15,27 +15,34 @@ from . import Generation
 class HFSampler:
     """The `Sampler` protocol on an fp32 HF model in this process."""
 
-    def __init__(self, model_dir: str, attn_implementation: str = "sdpa"):
+    def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
+            model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_implementation).eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params, nbytes = dict(self.model.named_parameters()), 0
         for name, t in named_tensors:
             params[name].copy_(t)
+            nbytes += params[name].numel() * params[name].element_size()
+        return nbytes
+
+    def close(self) -> None:
+        pass
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,
-                 temperature: float = 1.0) -> Generation:
+                 temperature: float = 1.0, seed: int | None = None) -> Generation:
         """Each prompt repeated n times (adjacent). → Generation with N = len(prompts)·n rows."""
+        if seed is not None:
+            torch.manual_seed(seed)
         enc = self.tokenizer([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
                              add_special_tokens=False)
         sample = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}

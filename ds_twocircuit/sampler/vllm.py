@@ -1,0 +1,132 @@
+"""The vLLM sampler backend (`sampler.backend=vllm`): the only module that imports vllm.
+
+One `vllm.LLM` engine on rank 0 (vLLM's default multi-process engine: an in-process one hung in
+vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
+
+    generate      one request per prompt, n = G samples, seed (seed, step, prompt index), so a run
+                  is repeatable and no prompt's draws depend on the batch beside it;
+                  logprobs_mode="processed_logprobs": the log-prob of each sampled token under the
+                  distribution actually sampled, softmax(logits / τ) (what π_old must be)
+    load_weights  the trainer's dense weights, cast to the engine's dtype, as one safetensors blob
+                  through `collective_rpc` to a worker extension (WeightSync), which loads them in
+                  place; then the prefix cache is reset (stale cached prefixes of prompts longer
+                  than one KV block gave log-prob errors of 6.4 nats). A tied model is sent
+                  `lm_head.weight` too: vLLM keeps its own copy of the head
+
+Prompts are tokenized here (the trainer's tokenizer, no special tokens added) and passed as token
+ids, so both backends see the same ids. The Generation it returns has the HF backend's layout:
+prompts left-padded, responses right-padded to the longest, through the first EOS.
+"""
+from typing import Iterable
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from . import Generation
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class WeightSync:
+    """vLLM worker extension (`LLM(worker_extension_cls=...)`): methods run inside vLLM's worker."""
+
+    def load_safetensors(self, blob: bytes) -> int:
+        """Load the named tensors of `blob` in place; → how many."""
+        from vllm.platforms import current_platform
+        weights = list(load_safetensors(blob).items())
+        if current_platform.is_cpu():
+            # oneDNN repacks linear weights at load, so model.load_weights finds no weight_loader:
+            # the runner's reload path re-runs the repacking
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+        else:   # GPU-only path (the in-place loader TRL and verl use); not run on this project's CPUs
+            self.model_runner.model.load_weights(weights=weights)
+        return len(weights)
+
+
+class VLLMSampler:
+    """The `Sampler` protocol on a vLLM engine."""
+
+    def __init__(self, model_dir: str, cfg, max_model_len: int, seed: int):
+        """`cfg`: the `sampler` config section; `max_model_len`: the longest prompt + response (at
+        most the model's positions)."""
+        from vllm import LLM
+        from vllm.platforms import current_platform
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        config = AutoConfig.from_pretrained(model_dir)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.dtype = DTYPES[cfg.dtype]
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        self.shapes = {n: (p.shape, self.dtype) for n, p in meta.named_parameters()}
+        self.seed = seed
+        cpu = current_platform.is_cpu()
+        kwargs = {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2 ** 30)} if cpu else \
+            {"gpu_memory_utilization": cfg.gpu_memory_utilization}   # GPU-only
+        max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
+        self.llm = LLM(model=model_dir, dtype=cfg.dtype, seed=seed, max_model_len=max_model_len,
+                       enforce_eager=cpu or cfg.enforce_eager, logprobs_mode="processed_logprobs",
+                       worker_extension_cls=f"{__name__}.WeightSync", **kwargs)
+
+    def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return dict(self.shapes)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """→ the bytes handed to the engine."""
+        tensors = {n: t.detach().to(self.dtype).contiguous() for n, t in named_tensors}
+        if self.tied and "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()   # safetensors refuses shared memory
+        blob = save_safetensors(tensors)
+        self.llm.collective_rpc("load_safetensors", args=(blob,))
+        self.llm.reset_prefix_cache()
+        return len(blob)
+
+    def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,
+                 temperature: float = 1.0, seed: int | None = None) -> Generation:
+        """Each prompt repeated n times (adjacent). → Generation with N = len(prompts)·n rows."""
+        from vllm import SamplingParams
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        base = self.seed if seed is None else seed
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[self.eos_id],
+                                 **({"temperature": 0.0} if greedy else
+                                    {"temperature": temperature, "top_k": 0, "top_p": 1.0,
+                                     "seed": (base * 1_000_003 + i) % 2 ** 63}))
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        rows = [(x, c) for x, o in zip(ids, outs) for c in o.outputs]
+        return self._tensors(rows)
+
+    def _tensors(self, rows: list) -> Generation:
+        """(prompt ids, vLLM CompletionOutput) per row → the padded Generation."""
+        P = max(len(x) for x, _ in rows)
+        R = max(len(c.token_ids) for _, c in rows)
+        N = len(rows)
+        ids_NT = torch.full((N, P + R), self.pad_id, dtype=torch.long)
+        attn_NT = torch.zeros(N, P + R, dtype=torch.long)
+        resp_NT1 = torch.zeros(N, P + R - 1)
+        logp_NT1 = torch.zeros(N, P + R - 1)
+        texts = []
+        for i, (x, c) in enumerate(rows):
+            r = _through_eos(list(c.token_ids), self.eos_id)
+            ids_NT[i, P - len(x):P] = torch.tensor(x)
+            ids_NT[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+            attn_NT[i, P - len(x):P + len(r)] = 1
+            resp_NT1[i, P - 1:P - 1 + len(r)] = 1.0
+            logp_NT1[i, P - 1:P - 1 + len(r)] = torch.tensor([lp[t].logprob for t, lp in zip(r, c.logprobs)])
+            texts.append(self.tokenizer.decode(r, skip_special_tokens=True))
+        return Generation(ids_NT=ids_NT, attn_NT=attn_NT, resp_NT1=resp_NT1, logp_NT1=logp_NT1, texts=texts)
+
+    def close(self) -> None:
+        """Stop the engine's processes."""
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+
+
+def _through_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
