@@ -13,7 +13,7 @@ from . import Generation
 
 
 class HFSampler:
-    """The `Sampler` protocol on an fp32 HF model in this process."""
+    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`)."""
 
     def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
