@@ -78,7 +78,8 @@ class VLLMSampler:
         """→ the bytes handed to the engine."""
         tensors = {n: t.detach().to(self.dtype).contiguous() for n, t in named_tensors}
         if self.tied and "lm_head.weight" not in tensors:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()   # safetensors refuses shared memory
+            # a copy: safetensors refuses tensors that share memory
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
         blob = save_safetensors(tensors)
         self.llm.collective_rpc("load_safetensors", args=(blob,))
         self.llm.reset_prefix_cache()
