@@ -12,6 +12,7 @@ PKG = ROOT / "ds_twocircuit"
 # the pure half: these must import with torch (and numpy) only
 MATH = ["ds_twocircuit.grpo.loss", "ds_twocircuit.grpo.advantages", "ds_twocircuit.grpo.rollouts",
         "ds_twocircuit.codec.prf", "ds_twocircuit.codec.geometry", "ds_twocircuit.codec.lowrank",
+        "ds_twocircuit.codec.rotated",
         "ds_twocircuit.codec.boundary", "ds_twocircuit.anchor.sign", "ds_twocircuit.anchor.forecast",
         "ds_twocircuit.metrics", "ds_twocircuit.control"]
 BLOCKED = ["deepspeed", "datasets", "transformers", "omegaconf", "safetensors", "tokenizers", "wandb", "accelerate",

@@ -1,0 +1,144 @@
+"""The rotated, dithered low-bit boundary codec (issue 12): a wire protocol, computed at both ends.
+
+Protocol v1 (pure torch; every random quantity is a keyed function of the token, so nothing but
+the code crosses the wire). Per token, h = prf.token_keys(seed, layer, step, sample, position) and
+h_t = mix32(h ^ t) for the tags t below (prf.py's mix32). For a vector x of width d:
+
+    signs      s_i = 1 − 2·bit(i mod 32) of mix32(h_SIGNS ^ ⌊i/32⌋)             i < d
+    rotation   z = R x,  R x = H (s ⊙ x) / √n  blockwise: H the Walsh–Hadamard matrix of order n
+               (Sylvester), n the largest power of two dividing d (1536 = 3 × 512); R orthogonal
+    subset     S = prf.kept_channels(h_SUBSET, d, m): m distinct rotated coordinates, sorted.
+               A smaller m' gives a subset of the same S (a PRP's first m' outputs)
+    scale      a = max_{j∈S} |z_j|, rounded up to fp16 (so |z_j| ≤ a); a = 0 sends zeros
+    dither     u_j = (mix32(h_DITHER[dir] ^ j) >> 8) / 2^24 ∈ [0, 1)              j < m
+    quantize   q_j = round((z_j + a)/Δ + u_j − ½) ∈ {0, …, L},  L = 2^b − 1,  Δ = 2a/L
+    code       2 bytes of a (fp16, little-endian) then the q_j as b-bit fields, LSB first,
+               ⌈m·b/8⌉ bytes: 2 + ⌈m·b/8⌉ bytes per token
+    decode     ẑ_j = (q_j − u_j + ½)·Δ − a  (subtractive dither: ẑ_j − z_j ~ U(−Δ/2, Δ/2),
+               independent of z_j, so E ẑ_j = z_j);  x̂ = (d/m)·Rᵀ P_Sᵀ ẑ
+
+E x̂ = x: over the dither E ẑ = z_S, and over S each coordinate is kept with probability m/d. The
+backward sends the adjoint of the same linear map on the forward's coordinates: the receiver codes
+its gradient g with `dir` = backward and m_bwd ≤ m_fwd (a subset of the forward's S, fresh dither),
+the sender decodes (d/m_bwd)·Rᵀ P_Sᵀ ĝ, an unbiased estimate of the gradient through the forward.
+The keys hold (step, sample, position), so every pass of a step sees the same maps, and no map
+depends on the batch layout, micro-batch split or resume.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .prf import kept_channels, mix32
+
+SIGNS, SUBSET = 0x5157A001, 0x5157A002
+DITHER = {"fwd": 0x5157A003, "bwd": 0x5157A004}
+SCALE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One direction's wire budget: m rotated coordinates of d at b bits each."""
+    d: int
+    m: int
+    bits: int
+
+    def __post_init__(self):
+        if not 1 <= self.m <= self.d or not 1 <= self.bits <= 24:
+            raise ValueError(f"rotated codec budget m={self.m} of d={self.d} at {self.bits} bits: "
+                             "need 1 <= m <= d and 1 <= bits <= 24 (24: lossless to fp32 rounding)")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return SCALE_BYTES + math.ceil(self.m * self.bits / 8)
+
+
+def block_size(d: int) -> int:
+    return d & -d
+
+
+def _tagged(keys: torch.Tensor, tag: int) -> torch.Tensor:
+    return mix32(keys ^ tag)
+
+
+def signs(keys_N: torch.Tensor, d: int) -> torch.Tensor:
+    """±1 per coordinate, (N, d) int64."""
+    words = mix32(_tagged(keys_N, SIGNS)[:, None] ^ torch.arange((d + 31) // 32))       # (N, ⌈d/32⌉)
+    bits = (words[:, :, None] >> torch.arange(32)) & 1
+    return 1 - 2 * bits.reshape(keys_N.shape[0], -1)[:, :d]
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh–Hadamard transform (Sylvester order) of the last dim (a power of two)."""
+    n = x.shape[-1]
+    y, h = x.reshape(-1, n), 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, n)
+        h *= 2
+    return y.view(x.shape)
+
+
+def rotate(x_ND: torch.Tensor, s_ND: torch.Tensor) -> torch.Tensor:
+    """z = R x: signs, then the blockwise normalised Hadamard transform."""
+    N, d = x_ND.shape
+    n = block_size(d)
+    return fwht((x_ND * s_ND).view(N, d // n, n)).view(N, d) / math.sqrt(n)
+
+
+def unrotate(z_ND: torch.Tensor, s_ND: torch.Tensor) -> torch.Tensor:
+    """x = Rᵀ z (H is symmetric and H·H = n·I)."""
+    N, d = z_ND.shape
+    n = block_size(d)
+    return fwht(z_ND.view(N, d // n, n)).view(N, d) / math.sqrt(n) * s_ND
+
+
+def dither(keys_N: torch.Tensor, m: int, direction: str) -> torch.Tensor:
+    """u (N, m) in [0, 1), exact in fp32 (24-bit numerators)."""
+    words = mix32(_tagged(keys_N, DITHER[direction])[:, None] ^ torch.arange(m))
+    return (words >> 8).float() / 2 ** 24
+
+
+def fp16_ceil(a: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 ≥ a (a ≥ 0, fp32)."""
+    h = a.half()
+    return torch.where(h.float() < a, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.half)), h)
+
+
+def pack(q_NM: torch.Tensor, bits: int) -> torch.Tensor:
+    """b-bit fields, LSB first → (N, ⌈m·b/8⌉) uint8."""
+    N, m = q_NM.shape
+    stream = ((q_NM[:, :, None] >> torch.arange(bits)) & 1).reshape(N, m * bits)
+    stream = torch.nn.functional.pad(stream, (0, (-m * bits) % 8)).view(N, -1, 8)
+    return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def unpack(b_NB: torch.Tensor, m: int, bits: int) -> torch.Tensor:
+    N = b_NB.shape[0]
+    stream = ((b_NB.long()[:, :, None] >> torch.arange(8)) & 1).reshape(N, -1)[:, :m * bits]
+    return (stream.view(N, m, bits) << torch.arange(bits)).sum(-1)
+
+
+def encode(x_ND: torch.Tensor, keys_N: torch.Tensor, budget: Budget, direction: str) -> torch.Tensor:
+    """x (N, d) → code (N, budget.bytes_per_token) uint8."""
+    z = rotate(x_ND.float(), signs(keys_N, budget.d))
+    zs = z.gather(-1, kept_channels(_tagged(keys_N, SUBSET), budget.d, budget.m))
+    a = fp16_ceil(zs.abs().amax(-1))                                             # (N,) fp16
+    af = a.float()[:, None]
+    levels = 2 ** budget.bits - 1
+    delta = torch.where(af > 0, 2 * af / levels, torch.ones_like(af))
+    q = torch.round((zs + af) / delta + dither(keys_N, budget.m, direction) - 0.5).clamp_(0, levels).long()
+    return torch.cat([a.view(-1, 1).view(torch.uint8), pack(q, budget.bits)], dim=-1)
+
+
+def decode(code_NB: torch.Tensor, keys_N: torch.Tensor, budget: Budget, direction: str,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """code (N, bytes) → x̂ (N, d), unbiased for the x that was encoded."""
+    a = code_NB[:, :SCALE_BYTES].contiguous().view(torch.half).float()          # (N, 1)
+    levels = 2 ** budget.bits - 1
+    q = unpack(code_NB[:, SCALE_BYTES:], budget.m, budget.bits).float()
+    zs = (q - dither(keys_N, budget.m, direction) + 0.5) * (2 * a / levels) - a
+    zs = torch.where(a > 0, zs, torch.zeros_like(zs))
+    z = torch.zeros(code_NB.shape[0], budget.d).scatter_(-1, kept_channels(_tagged(keys_N, SUBSET), budget.d, budget.m),
+                                                          zs * (budget.d / budget.m))
+    return unrotate(z, signs(keys_N, budget.d)).to(dtype)
