@@ -29,6 +29,21 @@ def weights(run_dir):
     return out
 
 
+def assert_same_weights(wa: dict, wb: dict, lr: float = 3e-4, steps: int = 4) -> None:
+    """Equal to float tolerance, except the attention key biases. A bias on every key adds q·b to
+    all of a query's scores, which the softmax ignores, except as RoPE rotates b by position; on the
+    slowest rotary pairs that rotation is nearly nil over these 12-token rows, so those components
+    get a gradient of float-noise size, and Adam turns it into steps of up to lr. Runs that sum in
+    another order move them apart (measured: only components 12–15 and 28–31 of the 32-wide head,
+    the slowest pairs, by up to 2.3e-6); they are checked to stay within 2·lr per step."""
+    assert wa.keys() == wb.keys()
+    for n in wa:
+        if n.endswith("k_proj.bias"):
+            assert (wa[n] - wb[n]).abs().max() <= 2 * lr * steps, n
+        else:
+            torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("n_stages", [8, 3])
 def test_pipeline_logits_match_hf(tiny_model, tmp_path, n_stages):
     out = tmp_path / "logits.json"
@@ -62,10 +77,7 @@ def test_one_stage_equals_eight_stages(eight, tmp_path):
     for ra, rb in zip(a, b):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
-    wa, wb = weights(eight), weights(tmp_path)
-    assert wa.keys() == wb.keys()
-    for n in wa:
-        torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_weights(weights(eight), weights(tmp_path))
 
 
 def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
@@ -77,9 +89,7 @@ def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
     for ra, rb in zip(rows(eight), rows(tmp_path / "run")):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
-    wa, wb = weights(eight), weights(tmp_path / "run")
-    for n in wa:
-        torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_weights(weights(eight), weights(tmp_path / "run"))
 
 
 def test_resume_continues_the_same_trajectory(eight, tmp_path):
