@@ -13,8 +13,9 @@ metric has a name part that starts with "_".
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
     wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train /stage{s}: p2p bytes sent by
-                direction, and the codec payload with its dense size over all passes and over the
-                update passes only (the only ones with a backward); probe/_bytes_fwd
+                direction, the codec payload with its dense size over all passes, and over the
+                update passes only (the only ones with a backward) the payloads' gradients with
+                their dense size; probe/_bytes_fwd
 """
 import zlib
 

@@ -16,6 +16,11 @@ declare -A RUNS=(
   [prf95_vllm]="vllm ds_configs/prf95.json sampler.backend=vllm"
   [dense_vllm_bf16]="vllm ds_configs/dense.json sampler.backend=vllm sampler.dtype=bfloat16"
   [prf95_vllm_bf16]="vllm ds_configs/prf95.json sampler.backend=vllm sampler.dtype=bfloat16"
+  # the codec frontier (issue 12): rotated codec, forward all 64 coordinates at b bits, backward 40 at 2 bits
+  [rot4_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
+  [rot3_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=3 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
+  [rot2_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=2 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
+  [rot4_c20f]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.every=20 anchor.staleness=20 anchor.forecast=true"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)

@@ -1,8 +1,9 @@
 """Launched by test_codec_dist.py under `deepspeed --num_gpus N`: gradients of a compressed pipeline.
 
-One train_batch of two micro-batches through the PRF (or keep-all) codec on every cut, with a fixed
-linear loss on the logits; each stage writes the gradients its optimizer receives, under HF names,
-to OUT/k{k}/grads_stage{s}.safetensors (several k in one launch). `reference_grads` computes the same in one process with plain
+One train_batch of two micro-batches through a codec on every cut, with a fixed linear loss on the
+logits; each stage writes the gradients its optimizer receives, under HF names, to
+OUT/k{spec}/grads_stage{s}.safetensors (several codecs in one launch). A spec is k of the PRF codec
+("3"), or "r{m}x{b}/{m}x{b}": the rotated codec's forward and backward budgets. `reference_grads` computes the same in one process with plain
 autograd through the same layer modules and the same codec state.
 """
 import json
@@ -12,6 +13,7 @@ import sys
 import torch
 
 from ds_twocircuit.codec.boundary import Codec
+from ds_twocircuit.codec.rotated import Budget
 from ds_twocircuit.codec.geometry import cut_layers
 from ds_twocircuit.model.pipe import TwoCircuitPipe, layer_specs, load_hf_config, tied_head
 from ds_twocircuit.model.weights import SafetensorsReader
@@ -20,8 +22,11 @@ from ds_twocircuit.model.weights import SafetensorsReader
 STEP = 3   # the masks' key step, in both the pipeline and the reference
 
 
-def make_codec(d: int, k: int, split: list[int]) -> Codec:
-    return Codec(name="prf", d=d, k=k, seed=5, cuts=cut_layers(split))
+def make_codec(d: int, spec: str, split: list[int]) -> Codec:
+    if not spec.startswith("r"):
+        return Codec(name="prf", d=d, k=int(spec), seed=5, cuts=cut_layers(split))
+    (fm, fb), (bm, bb) = [map(int, part.split("x")) for part in spec[1:].split("/")]
+    return Codec(name="rotated", d=d, seed=5, cuts=cut_layers(split), fwd=Budget(d, fm, fb), bwd=Budget(d, bm, bb))
 
 
 def micro_batches(vocab: int):
@@ -40,9 +45,9 @@ def linear_loss(logits, r):
     return (logits * r).sum()
 
 
-def reference_grads(model_dir: str, split: list[int], k: int) -> dict[str, torch.Tensor]:
+def reference_grads(model_dir: str, split: list[int], spec) -> dict[str, torch.Tensor]:
     config = load_hf_config(model_dir, "sdpa")
-    codec = make_codec(config.hidden_size, k, split)
+    codec = make_codec(config.hidden_size, str(spec), split)
     specs = layer_specs(config, SafetensorsReader(model_dir), codec, split)
     mods, embed = [], None
     for s in specs:
@@ -70,7 +75,7 @@ def reference_grads(model_dir: str, split: list[int], k: int) -> dict[str, torch
 
 
 def main(model_dir, split_json, ks, out_dir):
-    """ks: comma-separated k values, one train_batch each in the same launch (OUT/k{k}/...)."""
+    """ks: comma-separated codec specs, one train_batch each in the same launch (OUT/k{spec}/...)."""
     import deepspeed
     from safetensors.torch import save_file
 
@@ -78,8 +83,8 @@ def main(model_dir, split_json, ks, out_dir):
     init_distributed()
     split = json.loads(split_json)
     config = load_hf_config(model_dir, "sdpa")
-    ks = [int(k) for k in ks.split(",")]
-    pipe = TwoCircuitPipe(model_dir, split, linear_loss, codec=make_codec(config.hidden_size, ks[0], split))
+    ks = ks.split(",")
+    pipe = TwoCircuitPipe(model_dir, split, linear_loss, codec=make_codec(config.hidden_size, "3", split))
     engine, *_ = deepspeed.initialize(
         model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0),
         config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
@@ -88,12 +93,14 @@ def main(model_dir, split_json, ks, out_dir):
     engine.optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: p.grad.clone() for n, p in pipe.hf_parameters().items()}))
     for k in ks:
-        pipe.codec.k = k                   # every layer holds this one codec state
-        engine.reset_activation_shape()    # the payload's width changes with k
+        c = make_codec(config.hidden_size, k, split)
+        # every layer holds this one codec object: change it in place
+        pipe.codec.name, pipe.codec.k, pipe.codec.fwd, pipe.codec.bwd = c.name, c.k, c.fwd, c.bwd
+        engine.reset_activation_shape()    # the payload's width changes with the codec
         with pipe.codec.keyed(STEP):
             engine.train_batch(iter(micro_batches(config.vocab_size)))
-        os.makedirs(f"{out_dir}/k{k}", exist_ok=True)
-        save_file(grads, f"{out_dir}/k{k}/grads_stage{pipe.stage_id}.safetensors")
+        os.makedirs(f"{out_dir}/k{k.replace('/', '_')}", exist_ok=True)
+        save_file(grads, f"{out_dir}/k{k.replace('/', '_')}/grads_stage{pipe.stage_id}.safetensors")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,18 @@ SPLIT = [1] * 8
 
 
 def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model, tmp_path):
-    """k = 3 and k = 32 (keep-all) in one launch, one train_batch each."""
+    """PRF k = 3 and k = 32 (keep-all), and the rotated codec with a payload beside its carrier
+    (18 B forward, 8 B back) and with the carrier alone (8 B both ways), in one launch, one
+    train_batch each: each stage's gradients equal plain autograd through the same layers and codec
+    in one process (the rotated codec's quantized gradient crosses each cut inside the carrier)."""
+    specs = ("3", "32", "r32x4/20x2", "r20x2/20x2")
     p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "tests/dist_grads.py",
-                        tiny_model, json.dumps(SPLIT), "3,32", str(tmp_path)],
+                        tiny_model, json.dumps(SPLIT), ",".join(specs), str(tmp_path)],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    for k in (3, 32):
+    for k in specs:
         got = {}
-        for f in (tmp_path / f"k{k}").glob("grads_stage*.safetensors"):
+        for f in (tmp_path / f"k{k.replace('/', '_')}").glob("grads_stage*.safetensors"):
             got.update(load_file(f))
         ref = reference_grads(tiny_model, SPLIT, k)
         assert got.keys() == ref.keys()

@@ -37,6 +37,9 @@ def write(tmp_path, mutate):
     (lambda c: c.update(fp16={"enabled": True}), ["anchor.enabled=true"], "fp16.enabled"),
     (lambda c: None, ["data.max_prompt_len=0"], "data.max_prompt_len"),
     (lambda c: None, ["sampler.backend=sglang"], "sampler.backend"),
+    (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
+    (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),
+    (lambda c: None, ["codec.name=rotated", "codec.bwd_bits=0"], "codec.bwd_bits"),
     (lambda c: None, ["sampler.dtype=float16"], "sampler.dtype"),
     (lambda c: None, ["sampler.kv_cache_gib=0"], "sampler.kv_cache_gib"),
 ])

@@ -98,3 +98,74 @@ def test_subtractive_dither_error_is_uniform_over_one_step():
     delta = 2 * code[:, :2].contiguous().view(torch.half).float()[:, 0] / 3
     ratio = ((r.decode(code, keys, b, "fwd") - x) ** 2).sum(-1) / (64 * delta ** 2 / 12)
     assert abs(float(ratio.mean()) - 1) < 0.03, float(ratio.mean())
+
+
+# ---- at a cut: what crosses the wire (codec/boundary.py) -----------------------------------------
+from ds_twocircuit.codec.boundary import Codec, wire_format  # noqa: E402
+
+
+def cut_codec(fwd, bwd, d=32):
+    return Codec(name="rotated", d=d, seed=5, cuts={3}, fwd=r.Budget(d, *fwd), bwd=r.Budget(d, *bwd))
+
+
+@pytest.mark.parametrize("fwd, bwd, F, G", [((32, 4), (20, 2), 18, 8), ((20, 2), (20, 2), 8, 8),
+                                            ((8, 2), (8, 8), 10, 10)])
+def test_wire_bytes_per_direction(fwd, bwd, F, G):
+    """F bytes per token forward (carrier + payload), G back (the carrier's gradient), G ≤ F."""
+    c = cut_codec(fwd, bwd)
+    assert wire_format(c.fwd, c.bwd) == (F, G)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    pos, sid = torch.arange(5).expand(2, 5), torch.tensor([0, 1])
+    with c.keyed(7), c.counting() as n:
+        wire = c.wire_out(x, pos, sid, 3)
+        xh = c.wire_in(wire, pos, sid, 3, torch.float32)
+    assert wire[0].dtype == torch.half and wire[0].shape == (2, 5, G // 2) and wire[0].requires_grad
+    assert sum(w.numel() * w.element_size() for w in wire) == 2 * 5 * F == n.payload
+    assert len(wire) == (2 if F > G else 1) and (len(wire) == 1 or wire[1].dtype == torch.uint8)
+    with c.keyed(7):
+        assert torch.equal(xh, c.decode(c.encode(x, pos, sid, 3), pos, sid, 3, torch.float32))
+    # backward: the carrier's gradient is the G-byte backward code of ∂x̂, and ∂x its decode
+    g = torch.randn_like(xh)
+    wire[0].retain_grad()
+    xh.backward(g)
+    keys = token_keys(5, 3, 7, sid[:, None], pos).reshape(-1)
+    code = wire[0].grad.contiguous().view(torch.uint8).reshape(10, G)
+    b = c.bwd.bytes_per_token
+    assert torch.equal(code[:, :b], r.encode(g.reshape(10, 32), keys, c.bwd, "bwd")) and (code[:, b:] == 0).all()
+    assert torch.equal(x.grad.reshape(10, 32), r.decode(code[:, :b], keys, c.bwd, "bwd"))
+
+
+def test_lossless_budgets_make_the_cut_the_identity_both_ways():
+    c = cut_codec((32, 24), (32, 24))
+    x = torch.randn(3, 4, 32, requires_grad=True)
+    pos, sid = torch.arange(4).expand(3, 4), torch.arange(3)
+    with c.keyed(1):
+        xh = c.wire_in(c.wire_out(x, pos, sid, 3), pos, sid, 3, torch.float32)
+    g = torch.randn_like(xh)
+    xh.backward(g)
+    torch.testing.assert_close(xh, x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad, g, atol=1e-5, rtol=0)
+
+
+def test_backward_lies_on_the_forward_coordinates_and_is_unbiased():
+    """Per token, the gradient sent back lives on the forward's rotated coordinates: R·∂x is zero
+    outside S_f (the backward's m_b are the first m_b of the same keyed permutation). Over the keys,
+    the mean ∂x is g (each of d coordinates kept with probability m_b/d, rescaled by d/m_b)."""
+    n, d = 3000, 32
+    c = cut_codec((24, 24), (12, 3), d)
+    g = torch.randn(1, 1, d, generator=torch.Generator().manual_seed(2))
+    pos, sid = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])
+    got = []
+    for step in range(n):                                # one token, fresh keys each step
+        x = torch.zeros(1, 1, d, requires_grad=True)
+        with c.keyed(step):
+            c.wire_in(c.wire_out(x, pos, sid, 3), pos, sid, 3, torch.float32).backward(g)
+        got.append(x.grad.view(d))
+        if step < 50:
+            k = token_keys(5, 3, step, sid[:, None], pos).reshape(-1)
+            outside = torch.ones(d, dtype=torch.bool)
+            outside[kept_channels(r.mix32(k ^ r.SUBSET), d, 24)[0]] = False
+            assert r.rotate(x.grad.view(1, d), r.signs(k, d))[0, outside].abs().max() < 1e-5
+    got = torch.stack(got).double()
+    z = (got.mean(0) - g.view(d)) / (got.std(0) / math.sqrt(n))
+    assert z.abs().max() < 4.5, z

@@ -7,7 +7,13 @@ scatter is a gather, so the gradient sent back is (B, T, k) too).
     prf:      y_BTk = x_BTD[..., K] (K = prf.kept_for(...), both ends),  x̂ = scatter(y) · d/k
               E[x̂] = x: each channel is kept with probability k/d.
     lowrank:  y_BTk = x_BTD Q_Dk,  x̂ = y Qᵀ   (Q orthonormal, one per cut, the same at both ends)
+    rotated:  the rotated, dithered low-bit code of rotated.py, with its own budget per direction:
+              (carrier fp16 (B, T, G/2), payload uint8 (B, T, F − G)) cross the cut, F forward
+              bytes per token; the carrier's gradient is the G-byte backward code (wire_format)
     dense:    x itself (the byte-matched control).
+
+What crosses a cut is `wire_out(x)`: a tuple of tensors, floats first (DeepSpeed sends a gradient
+back for every float it receives, shaped like it, and matches its buffers by position).
 
 `Codec` is what every cut of a process reads: its geometry (name, d, k, seed, cuts, payload dtype)
 and the lowrank bases, plus three settings that hold only inside a block, so a pass never leaves
@@ -15,15 +21,17 @@ them behind for the next one:
 
     with codec.keyed(step):        the PRF masks of every pass inside are keyed by `step`
     with codec.off():              every cut inside is the identity (dense steps, the probe)
-    with codec.counting() as n:    n.payload, n.dense: bytes of the payloads encoded inside, and
-                                   what the same activations weigh dense (the wire accounting)
+    with codec.counting() as n:    n.payload, n.dense, n.grad: bytes of the payloads encoded inside,
+                                   what the same activations weigh dense, and what their gradients
+                                   carry back (the wire accounting)
 """
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 
-from . import prf
+from . import prf, rotated
 from .geometry import compressed_cuts, keep_count
 from .lowrank import checked_basis
 
@@ -34,12 +42,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class PayloadCount:
     payload: int = 0      # bytes of the encoded payloads (forward)
     dense: int = 0        # bytes the same activations have uncompressed
+    grad: int = 0         # bytes their gradients carry back (the payload's, or the rotated carrier's)
 
 
 class Codec:
     def __init__(self, name: str = "dense", d: int = 0, k: int = 0, seed: int = 0, cuts=frozenset(),
-                 payload_dtype: torch.dtype = torch.float32):
+                 payload_dtype: torch.dtype = torch.float32, fwd: rotated.Budget | None = None,
+                 bwd: rotated.Budget | None = None):
         self.name, self.d, self.k, self.seed = name, d, k, seed
+        self.fwd, self.bwd = fwd, bwd            # rotated: the budget of each direction
         self.cuts = frozenset(cuts)          # decoder layer indices after which a compressed cut sits
         self.payload_dtype = payload_dtype
         self.bases: dict[int, torch.Tensor] = {}   # cut layer → Q_Dk (lowrank)
@@ -84,17 +95,26 @@ class Codec:
             return x_BTD
         if self.name == "prf":
             y = x_BTD.gather(-1, prf.kept_for(self.seed, layer, self._step, sid_B, pos_BT, self.d, self.k))
+        elif self.name == "rotated":   # the forward code alone (inference); training sends wire_out's
+            keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+            y = rotated.encode(x_BTD.reshape(-1, self.d), keys.reshape(-1), self.fwd, "fwd").view(*pos_BT.shape, -1)
+            return y
         else:
             y = x_BTD @ self.bases[layer].to(x_BTD.dtype)
         y = y.to(self.payload_dtype)
         if self._count is not None:
             self._count.payload += y.numel() * y.element_size()
+            self._count.grad += y.numel() * y.element_size()
             self._count.dense += x_BTD.numel() * x_BTD.element_size()
         return y
 
     def decode(self, y_BTk, pos_BT, sid_B, layer: int, dtype: torch.dtype):
         if not self.active(layer):
             return y_BTk
+        if self.name == "rotated":
+            keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+            return rotated.decode(y_BTk.reshape(keys.numel(), -1), keys.reshape(-1), self.fwd, "fwd",
+                                  dtype).view(*pos_BT.shape, -1)
         y = y_BTk.to(dtype)
         if self.name == "prf":
             idx = prf.kept_for(self.seed, layer, self._step, sid_B, pos_BT, self.d, self.k)
@@ -102,13 +122,94 @@ class Codec:
             return torch.zeros(*y.shape[:-1], self.d, dtype=dtype, device=y.device).scatter(-1, idx, scaled)
         return y @ self.bases[layer].to(dtype).T
 
+    # ---- what crosses the wire ----------------------------------------------------------------
+    def wire_out(self, x_BTD, pos_BT, sid_B, layer: int) -> tuple:
+        """The sender's side of a cut: the tensors DeepSpeed sends (floats first)."""
+        if self.name != "rotated" or not self.active(layer):
+            return (self.encode(x_BTD, pos_BT, sid_B, layer),)
+        keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+        carrier, payload = _RotatedSend.apply(x_BTD, keys, self.fwd, self.bwd)
+        if self._count is not None:
+            self._count.payload += carrier.numel() * 2 + payload.numel()
+            self._count.grad += carrier.numel() * 2
+            self._count.dense += x_BTD.numel() * x_BTD.element_size()
+        return (carrier, payload) if payload.shape[-1] else (carrier,)
+
+    def wire_in(self, wire: tuple, pos_BT, sid_B, layer: int, dtype: torch.dtype):
+        """The receiver's side: the decoded hidden state (B, T, d)."""
+        if self.name != "rotated" or not self.active(layer):
+            return self.decode(wire[0], pos_BT, sid_B, layer, dtype)
+        keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+        payload = wire[1] if len(wire) > 1 else wire[0].new_empty(*wire[0].shape[:-1], 0, dtype=torch.uint8)
+        return _RotatedReceive.apply(wire[0], payload, keys, self.fwd, self.bwd, dtype)
+
     def set_bases(self, bases: dict[int, torch.Tensor]) -> None:
         """Replace lowrank cuts' bases (cut layer → Q); both ends of a cut must set the same Q."""
         for layer, q in bases.items():
             self.bases[layer] = checked_basis(q, self.d, self.k, layer)
 
 
+def wire_format(fwd: rotated.Budget, bwd: rotated.Budget) -> tuple[int, int]:
+    """(F, G): bytes per token forward (all tensors of the cut) and backward (the carrier). G is the
+    backward code rounded up to whole fp16 values; the forward carries at least G bytes, since the
+    carrier crosses in both directions."""
+    g = 2 * math.ceil(bwd.bytes_per_token / 2)
+    return max(fwd.bytes_per_token, g), g
+
+
+class _RotatedSend(torch.autograd.Function):
+    """x (B, T, d) → the forward code split into (carrier fp16 (B, T, G/2), payload uint8 (B, T, F−G));
+    backward: the carrier's gradient holds the receiver's backward code, decoded here to ∂x."""
+
+    @staticmethod
+    def forward(ctx, x, keys_BT, fwd, bwd):
+        B, T, d = x.shape
+        F, G = wire_format(fwd, bwd)
+        code = torch.zeros(B * T, F, dtype=torch.uint8)
+        code[:, :fwd.bytes_per_token] = rotated.encode(x.detach().reshape(-1, d), keys_BT.reshape(-1), fwd, "fwd")
+        code = code.view(B, T, F)
+        ctx.save_for_backward(keys_BT)
+        ctx.bwd, ctx.x_dtype = bwd, x.dtype
+        payload = code[..., G:].contiguous()
+        ctx.mark_non_differentiable(payload)
+        return code[..., :G].contiguous().view(torch.half), payload
+
+    @staticmethod
+    def backward(ctx, g_carrier, _):
+        keys_BT, = ctx.saved_tensors
+        B, T = keys_BT.shape
+        code = g_carrier.contiguous().view(torch.uint8).reshape(B * T, -1)[:, :ctx.bwd.bytes_per_token]
+        gx = rotated.decode(code, keys_BT.reshape(-1), ctx.bwd, "bwd").view(B, T, -1).to(ctx.x_dtype)
+        return gx, None, None, None
+
+
+class _RotatedReceive(torch.autograd.Function):
+    """(carrier, payload) → x̂ (B, T, d); backward: ∂x̂ coded with the backward budget (fresh dither,
+    coordinates within the forward's), returned as the carrier's gradient."""
+
+    @staticmethod
+    def forward(ctx, carrier, payload, keys_BT, fwd, bwd, dtype):
+        B, T = keys_BT.shape
+        code = torch.cat([carrier.contiguous().view(torch.uint8), payload], -1).reshape(B * T, -1)
+        ctx.save_for_backward(keys_BT)
+        ctx.bwd, ctx.carrier_shape = bwd, carrier.shape
+        return rotated.decode(code[:, :fwd.bytes_per_token], keys_BT.reshape(-1), fwd, "fwd", dtype).view(B, T, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        keys_BT, = ctx.saved_tensors
+        B, T = keys_BT.shape
+        code = torch.zeros(B * T, 2 * ctx.carrier_shape[-1], dtype=torch.uint8)
+        code[:, :ctx.bwd.bytes_per_token] = rotated.encode(g.reshape(B * T, -1).float(), keys_BT.reshape(-1), ctx.bwd, "bwd")
+        return code.view(torch.half).view(ctx.carrier_shape), None, None, None, None, None
+
+
 def build_codec(c, d: int, layers_per_stage: list[int]) -> Codec:
     """The run's codec from its `codec.*` config block, for a model of hidden size d."""
+    budgets = {}
+    if c.name == "rotated":
+        budgets = {"fwd": rotated.Budget(d, c.fwd_coords or d, c.fwd_bits),
+                   "bwd": rotated.Budget(d, c.bwd_coords or d, c.bwd_bits)}
     return Codec(name=c.name, d=d, k=keep_count(c.keep, c.keep_ratio, d), seed=c.seed,
-                 cuts=compressed_cuts(c.boundaries, layers_per_stage), payload_dtype=DTYPES[c.payload_dtype])
+                 cuts=compressed_cuts(c.boundaries, layers_per_stage), payload_dtype=DTYPES[c.payload_dtype],
+                 **budgets)

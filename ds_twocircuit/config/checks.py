@@ -71,6 +71,15 @@ def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
         raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
     if c.payload_dtype not in ("fp32", "bf16"):
         raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected fp32 or bf16")
+    if c.name == "rotated":
+        fwd, bwd = c.fwd_coords or d, c.bwd_coords or d
+        if not 1 <= fwd <= d or not 1 <= bwd <= fwd:
+            raise ConfigError(f"codec.fwd_coords={c.fwd_coords}, codec.bwd_coords={c.bwd_coords}: need "
+                              f"1 <= bwd_coords <= fwd_coords <= d={d} (0: all d; the backward's coordinates "
+                              "are a subset of the forward's)")
+        for key in ("fwd_bits", "bwd_bits"):
+            if not 1 <= getattr(c, key) <= 24:
+                raise ConfigError(f"codec.{key}={getattr(c, key)}: expected 1 to 24 bits")
     cuts = cut_layers(split)
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):

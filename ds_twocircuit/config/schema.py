@@ -90,11 +90,15 @@ class TrainConfig:
 @dataclass
 class CodecConfig:
     """The boundary codec (SPEC S2)."""
-    name: str = opt("dense", "dense (the byte-matched control) | prf | lowrank")
+    name: str = opt("dense", "dense (the byte-matched control) | prf | lowrank | rotated")
     keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536")
     keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)")
     boundaries: Any = opt("all", "'all' cuts, or a list of cut layers (the decoder layer a cut follows)")
-    payload_dtype: str = opt("fp32", "fp32 | bf16 on the wire")
+    payload_dtype: str = opt("fp32", "fp32 | bf16 on the wire (prf, lowrank)")
+    fwd_coords: int = opt(0, "rotated: rotated coordinates sent forward (0: all d)")
+    fwd_bits: int = opt(4, "rotated: bits per forward coordinate")
+    bwd_coords: int = opt(0, "rotated: coordinates of the gradient sent back, within the forward's (0: all d)")
+    bwd_bits: int = opt(2, "rotated: bits per backward coordinate")
     seed: int = opt(0, "the PRF key's seed")
 
 
@@ -160,7 +164,7 @@ class TwoCircuitConfig:
     log: LogConfig = opt(LogConfig, "logging")
 
 
-CODECS = ("dense", "prf", "lowrank")
+CODECS = ("dense", "prf", "lowrank", "rotated")
 
 
 def describe(cls=TwoCircuitConfig, prefix: str = "") -> str:

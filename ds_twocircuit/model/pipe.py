@@ -4,9 +4,10 @@ Layer items, in order: `Embed` (stage 0) Â· one `Decoder` per HF decoder layer Â
 LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
 the last two on the last stage. `layers_per_stage` assigns decoder layers to stages.
 
-What crosses a stage boundary is the pair `(h float, rows_B3 int32)`: the hidden state (or its
-encoding, see codec/boundary.py) is the only float (DeepSpeed sends a gradient back for every float
-it receives), floats first (its receive buffers are matched by position). A sequence's real tokens
+What crosses a stage boundary is `(h float, rows_B3 int32)`: the hidden state (or what the codec
+sends for it, `Codec.wire_out`: one tensor, or the rotated codec's fp16 carrier and uint8 payload;
+codec/boundary.py), floats first (DeepSpeed sends a gradient back for every float it receives, and
+matches its receive buffers by position). A sequence's real tokens
 are contiguous (left-padded prompt, right-padded response), so `rows_B3` = [first, last+1,
 sample_id] replaces the (B, T) attention mask on the wire: 12 bytes per sequence, one tensor (each
 tensor of the tuple costs its own send and shape metadata). Rotary
@@ -93,18 +94,19 @@ class Decoder(torch.nn.Module):
         self.rotary = rotary_cls(config=config)   # non-persistent buffers only
 
     def forward(self, inputs):
-        h, rows_B3 = inputs
+        *wire, rows_B3 = inputs             # (h, rows), or after a cut what the codec sent (wire_out)
         rows_B3 = rows_B3.long()
-        attn_BT, sid_B = mask_from_span(rows_B3, h.shape[1]), rows_B3[:, 2]
+        attn_BT, sid_B = mask_from_span(rows_B3, wire[0].shape[1]), rows_B3[:, 2]
         pos_BT = positions_from_mask(attn_BT)
+        h = wire[0]
         if self.decode_in:
-            h = self.codec.decode(h, pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
+            h = self.codec.wire_in(tuple(wire), pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
         # the cache goes in by position: its keyword is past_key_values before transformers 5.20, cache after
         mask = create_causal_mask(self.config, h, attn_BT, None, position_ids=pos_BT)
         cos_sin = self.rotary(h, pos_BT)
         h = self.layer(h, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
         if self.encode_out:
-            h = self.codec.encode(h, pos_BT, sid_B, self.layer_idx)
+            return (*self.codec.wire_out(h, pos_BT, sid_B, self.layer_idx), rows_B3.int())
         return h, rows_B3.int()
 
     def hf_parameters(self):
