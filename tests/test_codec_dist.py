@@ -113,6 +113,30 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
     assert dense["codec/bytes_bwd"] == r[0]["codec/dense_equiv_bytes_bwd"]
 
 
+def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, tmp_path):
+    """Forward 32 coordinates at 4 bits (18 B per token), backward 20 at 2 bits (8 B): the p2p layer
+    sees exactly 8/128 of the dense gradient bytes back on every cut, the forward 18/128 plus the
+    row descriptor; the reference and the policy pass see the same code (KL 0 at step 1); a resumed
+    run writes the same rows (the code is keyed by the step); the dense-equivalent counterfactual is
+    what the dense control sent."""
+    budget = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
+    launch(8, tmp_path / "run", *budget)
+    r = rows(tmp_path / "run")
+    assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-4
+    for x in r:
+        assert x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * 8 / 128
+        per_cut = [x[f"codec/boundary{b}/bytes_bwd"] for b in range(7)]
+        assert sum(per_cut) == x["codec/bytes_bwd"] and len(set(per_cut)) == 1
+        assert 18 / 128 < x["codec/bytes_fwd"] / x["codec/dense_equiv_bytes"] < 18 / 128 * 1.1
+    dense = rows(eight)[0]
+    assert (r[0]["codec/dense_equiv_bytes"], r[0]["codec/dense_equiv_bytes_bwd"]) == \
+        (dense["codec/bytes_fwd"], dense["codec/bytes_bwd"])
+    launch(8, tmp_path / "resumed", *budget, "train.steps=2")
+    launch(8, tmp_path / "resumed", *budget, resume=True)
+    strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith("timing/")} for x in rs]
+    assert strip(rows(tmp_path / "resumed")) == strip(r)
+
+
 def test_prf_resume_replays_the_same_masks(prf, tmp_path):
     """PRF masks are keyed by the step, so a resumed compressed run continues bit for bit; so does the
     drift controller, whose β and dense-step accumulator are rebuilt from the logged rows (stopped
