@@ -1,6 +1,6 @@
 """Per-cut NMSE of boundary codecs on real tensors of the embedded default (issue 12, item 4).
 
-    python notebooks/codec_nmse.py [--prompts 32] [--group 8]
+    python notebooks/codec_nmse.py [--prompts 32] [--group 8] [--wide]
 
 One GRPO-sized batch (B prompts × G samples from the HF sampler, the base model), one dense forward
 and backward of the sampled tokens' log-likelihood through the HF model; at each of the 7 cuts of
@@ -8,6 +8,9 @@ the 8-stage split, the activation x (forward) and the gradient g (backward) of e
 kept. For each codec, NMSE = Σ‖x̂ − x‖² / Σ‖x‖² per cut (and the same for g), each token keyed as
 in training (seed, cut layer, step 1, sample, position). The activations only pass through one codec
 at a time here: what the compressed pipeline's later cuts see after earlier cuts is not measured.
+`--wide`: the model of `prf95_wide.json` (8 layers at hidden 1536, 12 heads, random init, no warm
+start, 8 stages of 1 layer), budgets scaled to its width; a random-init model has none of a trained
+LLM's outlier channels, so its numbers say nothing about those.
 """
 import argparse
 import pathlib
@@ -26,11 +29,11 @@ from ds_twocircuit.model.tiny import ensure_tiny_model  # noqa: E402
 from ds_twocircuit.sampler.hf import HFSampler  # noqa: E402
 
 
-def cut_tensors(model_dir: str, prompts: int, group: int):
+def cut_tensors(model_dir: str, prompts: int, group: int, split: list[int]):
     """→ {cut layer: (x (N, d), g (N, d), keys (N,) per direction)} for the real tokens."""
     s = HFSampler(model_dir)
     gen = s.generate(synthetic_splits(512)[0]["problem"][:prompts], group, max_new_tokens=5, seed=0)
-    model, layers = s.model, cut_layers([4, 4, 4, 4, 3, 3, 3, 3])
+    model, layers = s.model, cut_layers(split)
     acts = {}
     hooks = [model.model.layers[l].register_forward_hook(
         lambda mod, inp, out, l=l: acts.__setitem__(l, (out[0] if isinstance(out, tuple) else out))) for l in layers]
@@ -65,12 +68,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--wide", action="store_true", help="the 1536-wide random-init model of prf95_wide.json")
     a = ap.parse_args()
     torch.manual_seed(0)
-    cuts = cut_tensors(ensure_tiny_model(TinyModelConfig(), 512), a.prompts, a.group)
+    if a.wide:
+        tiny = TinyModelConfig(hidden_size=1536, num_layers=8, num_heads=12, num_kv_heads=2, warmup_steps=0)
+        cuts = cut_tensors(ensure_tiny_model(tiny, 16), a.prompts, a.group, [1] * 8)
+    else:
+        cuts = cut_tensors(ensure_tiny_model(TinyModelConfig(), 512), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
     d = next(iter(cuts.values()))[0].shape[-1]
-    codecs = {"prf k=3 fp32 (12 B)": lambda x, k, dr: prf_roundtrip(x, k, 3)}
-    for m, bits in ((40, 2), (64, 2), (64, 3), (64, 4)):
+    k = round(0.05 * d)
+    codecs = {f"prf k={k} fp32 ({4 * k} B)": lambda x, keys, dr: prf_roundtrip(x, keys, k)}
+    for m, bits in ((d * 5 // 8, 2), (d, 2), (d, 3), (d, 4)):   # at d = 64: 40, 64, 64, 64 coordinates
         b = rotated.Budget(d, m, bits)
         codecs[f"rotated m={m} {bits}-bit ({b.bytes_per_token} B)"] = lambda x, k, dr, b=b: rotated_roundtrip(x, k, b, dr)
     nmse = lambda xh, x: float(((xh - x) ** 2).sum() / (x ** 2).sum())
