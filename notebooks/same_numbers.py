@@ -22,8 +22,10 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# recipe → the overrides that make it the check's run (control on for the drifting recipe)
-RECIPES = {"dense": [], "prf95": [], "lowrank": [], "lowrank_drift": ["control.enabled=true"]}
+# recipe → its ds_configs/ file and the overrides that make it the check's run
+RECIPES = {"dense": ("dense", []), "prf95": ("prf95", []), "lowrank": ("lowrank", []),
+           "lowrank_drift": ("lowrank_drift", ["control.enabled=true"]),
+           "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"])}
 WALL_CLOCK = ("timing/", "anchor/wait")
 
 
@@ -55,9 +57,9 @@ def run_commit(sha: str, recipes: list[str], a) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "8", "--master_port", str(free_port()),
-                   "launch/train.py", "--ds-config", f"ds_configs/{recipe}.json", "--run-dir", str(run_dir),
+                   "launch/train.py", "--ds-config", f"ds_configs/{RECIPES[recipe][0]}.json", "--run-dir", str(run_dir),
                    f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
-                   "log.wandb=false", *RECIPES[recipe]]
+                   "log.wandb=false", *RECIPES[recipe][1]]
             print(f"[{sha[:8]}] {recipe}: {' '.join(cmd[5:])}", flush=True)
             # cwd and PYTHONPATH: the worktree's package, for the trainer and the anchor it starts
             with open(run_dir / "launch.log", "w") as log:
