@@ -90,13 +90,17 @@ class Codec:
         return self._on and self.name != "dense" and layer in self.cuts
 
     # ---- the cut ----------------------------------------------------------------------------
+    def _keys(self, pos_BT, sid_B, layer: int):
+        """(B, T) int64 per-token PRF keys of this step and cut: a token's own, whatever its batch."""
+        return prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+
     def encode(self, x_BTD, pos_BT, sid_B, layer: int):
         if not self.active(layer):
             return x_BTD
         if self.name == "prf":
             y = x_BTD.gather(-1, prf.kept_for(self.seed, layer, self._step, sid_B, pos_BT, self.d, self.k))
         elif self.name == "rotated":   # the forward code alone (inference); training sends wire_out's
-            keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+            keys = self._keys(pos_BT, sid_B, layer)
             y = rotated.encode(x_BTD.reshape(-1, self.d), keys.reshape(-1), self.fwd, "fwd").view(*pos_BT.shape, -1)
             return y
         else:
@@ -112,7 +116,7 @@ class Codec:
         if not self.active(layer):
             return y_BTk
         if self.name == "rotated":
-            keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+            keys = self._keys(pos_BT, sid_B, layer)
             return rotated.decode(y_BTk.reshape(keys.numel(), -1), keys.reshape(-1), self.fwd, "fwd",
                                   dtype).view(*pos_BT.shape, -1)
         y = y_BTk.to(dtype)
@@ -127,7 +131,7 @@ class Codec:
         """The sender's side of a cut: the tensors DeepSpeed sends (floats first)."""
         if self.name != "rotated" or not self.active(layer):
             return (self.encode(x_BTD, pos_BT, sid_B, layer),)
-        keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+        keys = self._keys(pos_BT, sid_B, layer)
         carrier, payload = _RotatedSend.apply(x_BTD, keys, self.fwd, self.bwd)
         if self._count is not None:
             self._count.payload += carrier.numel() * 2 + payload.numel()
@@ -139,7 +143,7 @@ class Codec:
         """The receiver's side: the decoded hidden state (B, T, d)."""
         if self.name != "rotated" or not self.active(layer):
             return self.decode(wire[0], pos_BT, sid_B, layer, dtype)
-        keys = prf.token_keys(self.seed, layer, self._step, sid_B[:, None], pos_BT)
+        keys = self._keys(pos_BT, sid_B, layer)
         payload = wire[1] if len(wire) > 1 else wire[0].new_empty(*wire[0].shape[:-1], 0, dtype=torch.uint8)
         return _RotatedReceive.apply(wire[0], payload, keys, self.fwd, self.bwd, dtype)
 
