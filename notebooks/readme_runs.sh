@@ -21,6 +21,14 @@ declare -A RUNS=(
   [rot3_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=3 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
   [rot2_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=2 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
   [rot4_c20f]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.every=20 anchor.staleness=20 anchor.forecast=true"
+  [rot4_c1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2"
+  [rot6_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=6 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
+  [rot8_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
+  [rot4b4_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_bits=4 anchor.enabled=false"
+  # a second seed (data order, sampling, codec key; the same warm start)
+  [dense_s1]="hf ds_configs/dense.json train.seed=1 codec.seed=1"
+  [rot4_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
+  [rot8_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)

@@ -27,6 +27,8 @@ RECIPES = {"dense": ("dense", []), "prf95": ("prf95", []), "lowrank": ("lowrank"
            "lowrank_drift": ("lowrank_drift", ["control.enabled=true"]),
            "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"])}
 WALL_CLOCK = ("timing/", "anchor/wait")
+# the launcher of the interpreter running this script, found without an activated venv
+DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed") or "deepspeed"
 
 
 def sha_of(rev: str) -> str:
@@ -56,7 +58,7 @@ def run_commit(sha: str, recipes: list[str], a) -> None:
             run_dir = (pathlib.Path(a.out) / sha / recipe).resolve()
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
-            cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "8", "--master_port", str(free_port()),
+            cmd = [DEEPSPEED, "--num_gpus", "8", "--master_port", str(free_port()),
                    "launch/train.py", "--ds-config", f"ds_configs/{RECIPES[recipe][0]}.json", "--run-dir", str(run_dir),
                    f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
                    "log.wandb=false", *RECIPES[recipe][1]]
