@@ -10,6 +10,9 @@ phase: the ranks stop at a handshake before each (codec, rate) phase while this 
 links. It prints, side by side: step time per run, bytes per boundary per step (from the p2p wire
 accounting and from the interfaces' own counters), the dense/prf ratio at each rate and each run's
 ratio to its own unshaped time. `--scaling` sweeps tokens per step at one rate instead.
+Each compressed codec (`--codecs`: prf, the 5 % PRF of prf95.json; rotated, the rotated low-bit code
+at `--fwd-bits/--bwd-coords/--bwd-bits`) gets its own launch with its own dense phases beside it, so
+every ratio compares two phases of one launch on the same links.
 
 Needs root and iproute2. It uses addresses only on the namespaces it creates (10.231.137.0/24),
 removes everything it created on exit, error or Ctrl-C, and every wait is bounded.
@@ -123,7 +126,9 @@ def worker(a) -> None:
     phases = json.loads(a.phases)
     tc = TwoCircuitConfig()
     tc.model.layers_per_stage = [a.layers_per_stage] * a.stages
-    tc.codec.name, tc.codec.keep_ratio = "prf", a.keep_ratio      # the dense phases run it with the codec off
+    tc.codec.name, tc.codec.keep_ratio = a.codecs[0], a.keep_ratio      # the dense phases run it with the codec off
+    tc.codec.fwd_coords, tc.codec.fwd_bits, tc.codec.bwd_coords, tc.codec.bwd_bits = \
+        a.fwd_coords, a.fwd_bits, a.bwd_coords, a.bwd_bits
     p = build_pipeline(a.model_dir, tc, {
         "train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": a.gas, "gradient_clipping": 0.0,
         "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}}})
@@ -188,7 +193,18 @@ def build_model(a) -> str:
                                              intermediate_size=a.intermediate, warmup_steps=0), eval_size=8)
 
 
-def run_phases(a, phases: list[dict]) -> list[dict]:
+def run_launches(a, phases: list[dict]) -> list[dict]:
+    """One launch per compressed codec, running its phases and the dense ones, in the given order."""
+    compressed = list(dict.fromkeys(ph["codec"] for ph in phases if ph["codec"] != "dense")) or ["prf"]
+    results = []
+    for codec in compressed:
+        print(f"launch: dense and {codec}", flush=True)
+        mine = [ph for ph in phases if ph["codec"] in ("dense", codec)]
+        results += [{**r, "launch": codec} for r in run_phases(a, codec, mine)]
+    return results
+
+
+def run_phases(a, codec: str, phases: list[dict]) -> list[dict]:
     """Start the ranks in their namespaces, re-shape links at each handshake, collect the results."""
     model_dir = build_model(a)
     ctl = pathlib.Path(a.out) / "control"
@@ -204,7 +220,7 @@ def run_phases(a, phases: list[dict]) -> list[dict]:
                        "MASTER_ADDR": net.addr(0), "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": net.peer(r),
                        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
                 cmd = ["ip", "netns", "exec", net.ns[r], sys.executable, __file__, "--worker", "--model-dir", model_dir,
-                       "--control", str(ctl), "--phases", json.dumps(phases), *worker_args(a)]
+                       "--control", str(ctl), "--phases", json.dumps(phases), "--codecs", codec, *worker_args(a)]
                 log = open(pathlib.Path(a.out) / f"rank{r}.log", "w")
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             for i, ph in enumerate(phases):
@@ -239,7 +255,8 @@ def wait_alive(path: pathlib.Path, procs, timeout: float) -> None:
 def worker_args(a) -> list[str]:
     return ["--stages", str(a.stages), "--layers-per-stage", str(a.layers_per_stage), "--micro", str(a.micro),
             "--gas", str(a.gas), "--keep-ratio", str(a.keep_ratio), "--steps", str(a.steps), "--warmup",
-            str(a.warmup), "--phase-timeout", str(a.phase_timeout)]
+            str(a.warmup), "--phase-timeout", str(a.phase_timeout), "--fwd-coords", str(a.fwd_coords), "--fwd-bits",
+            str(a.fwd_bits), "--bwd-coords", str(a.bwd_coords), "--bwd-bits", str(a.bwd_bits)]
 
 
 def median(xs: list[float]) -> float:
@@ -248,21 +265,27 @@ def median(xs: list[float]) -> float:
 
 
 def report(results: list[dict], stages: int) -> str:
-    """The rate table: time, bytes per boundary, dense/prf, and each run against its own unshaped time."""
-    by = {(r["phase"]["codec"], r["phase"]["rate"], r["phase"]["seq"]): r for r in results}
-    lines = ["| rate | seq | dense s/step | prf s/step | dense / prf | dense / own unshaped | prf / own unshaped |"
-             " dense MB/boundary/step (p2p, iface) | prf MB/boundary/step (p2p, iface) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (codec, rate, seq), r in by.items():
-        if codec != "dense" or ("prf", rate, seq) not in by:
-            continue
-        p = by[("prf", rate, seq)]
-        td, tp = median(r["step_s"]), median(p["step_s"])
-        ud = median(by.get(("dense", "unshaped", seq), r)["step_s"])
-        up = median(by.get(("prf", "unshaped", seq), p)["step_s"])
-        lines.append(f"| {rate} | {seq} | {td:.2f} | {tp:.2f} | {td / tp:.2f} | {td / ud:.2f} | {tp / up:.2f} | "
-                     f"{boundary_mb(r, stages)} | {boundary_mb(p, stages)} |")
-    return "\n".join(lines)
+    """The rate table per launch: time, bytes per boundary, dense/codec, each run against its own
+    unshaped time; the dense and the compressed phase of a row come from the same launch."""
+    lines = []
+    for launch in dict.fromkeys(r.get("launch", "prf") for r in results):
+        by = {(r["phase"]["codec"], r["phase"]["rate"], r["phase"]["seq"]): r for r in results
+              if r.get("launch", "prf") == launch}
+        c = launch
+        lines += [f"| rate | seq | dense s/step | {c} s/step | dense / {c} | dense / own unshaped | {c} / own unshaped |"
+                  f" dense MB/boundary/step (p2p, iface) | {c} MB/boundary/step (p2p, iface) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for (codec, rate, seq), r in by.items():
+            if codec != "dense" or (c, rate, seq) not in by:
+                continue
+            p = by[(c, rate, seq)]
+            td, tp = median(r["step_s"]), median(p["step_s"])
+            ud = median(by.get(("dense", "unshaped", seq), r)["step_s"])
+            up = median(by.get((c, "unshaped", seq), p)["step_s"])
+            lines.append(f"| {rate} | {seq} | {td:.2f} | {tp:.2f} | {td / tp:.2f} | {td / ud:.2f} | {tp / up:.2f} | "
+                         f"{boundary_mb(r, stages)} | {boundary_mb(p, stages)} |")
+        lines.append("")
+    return "\n".join(lines).strip()
 
 
 def cut_bytes(r: dict, stages: int) -> tuple[float, float]:
@@ -282,8 +305,8 @@ def fit_link_model(results: list[dict], stages: int) -> dict:
     (both directions), r the link rate in bytes/s; β (least squares through the shaped points) is the
     number of cut transfers on the critical path after the pipeline's overlap."""
     out = {}
-    for codec in {r["phase"]["codec"] for r in results}:
-        rows = [r for r in results if r["phase"]["codec"] == codec]
+    for launch, codec in dict.fromkeys((r.get("launch", "prf"), r["phase"]["codec"]) for r in results):
+        rows = [r for r in results if r["phase"]["codec"] == codec and r.get("launch", "prf") == launch]
         t0 = median(next(r for r in rows if r["phase"]["rate"] == "unshaped")["step_s"])
         xs, ys = [], []
         for r in rows:
@@ -292,7 +315,7 @@ def fit_link_model(results: list[dict], stages: int) -> dict:
                 xs.append(b / (parse_rate(r["phase"]["rate"]) / 8))
                 ys.append(median(r["step_s"]) - t0)
         beta = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-12)
-        out[codec] = {"t0": t0, "beta": beta}
+        out[codec if codec != "dense" else f"dense ({launch} launch)"] = {"t0": t0, "beta": beta}
     return out
 
 
@@ -322,7 +345,7 @@ def print_projection(a) -> None:
     results = json.loads((pathlib.Path(a.out) / "results.json").read_text())
     fit = fit_link_model(results, a.stages)
     print("fitted T = T0 + β·B/r: " + ", ".join(f"{c}: T0 {v['t0']:.2f} s, β {v['beta']:.2f}" for c, v in fit.items()))
-    beta = fit.get("dense", next(iter(fit.values())))["beta"]
+    beta = next((v for c, v in fit.items() if c.startswith("dense")), next(iter(fit.values())))["beta"]
     text = project(beta, a.keep_ratio)
     (pathlib.Path(a.out) / "projection.md").write_text(text + "\n")
     print(text)
@@ -331,7 +354,7 @@ def print_projection(a) -> None:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", nargs="+", default=["unshaped", "1gbit", "100mbit", "10mbit"])
-    ap.add_argument("--codecs", nargs="+", default=["dense", "prf"])
+    ap.add_argument("--codecs", nargs="+", default=["dense", "prf", "rotated"], choices=["dense", "prf", "rotated"])
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--scaling", nargs="*", type=int, default=None, help="sequence lengths to sweep at --scaling-rate")
     ap.add_argument("--scaling-rate", default="10mbit")
@@ -342,6 +365,10 @@ def parse(argv=None):
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--gas", type=int, default=4)
     ap.add_argument("--keep-ratio", type=float, default=0.05)
+    ap.add_argument("--fwd-coords", type=int, default=0, help="rotated: coordinates forward (0: all d)")
+    ap.add_argument("--fwd-bits", type=int, default=4, help="rotated: bits per coordinate forward")
+    ap.add_argument("--bwd-coords", type=int, default=None, help="rotated: coordinates back (default 5/8 of d)")
+    ap.add_argument("--bwd-bits", type=int, default=2, help="rotated: bits per coordinate back")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phase-timeout", type=float, default=300)
@@ -365,13 +392,14 @@ def main(argv=None) -> None:
         sys.exit("bench_links needs root, iproute2 (ip) and tc")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind through the cleanup on kill
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    a.bwd_coords = a.hidden * 5 // 8 if a.bwd_coords is None else a.bwd_coords
     if a.scaling:
         phases = [{"codec": c, "rate": r, "seq": s} for s in a.scaling for r in ("unshaped", a.scaling_rate)
                   for c in a.codecs]
     else:
         phases = [{"codec": c, "rate": r, "seq": a.seq} for r in a.rates for c in a.codecs]
     t0 = time.time()
-    results = run_phases(a, phases)
+    results = run_launches(a, phases)
     table = report(results, a.stages)
     (pathlib.Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
     (pathlib.Path(a.out) / "table.md").write_text(table + "\n")

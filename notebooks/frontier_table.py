@@ -20,7 +20,14 @@ RUNS = {"dense": "dense (control)", "prf95": "PRF 5 % + anchor c = K = 1 (prf95.
         "rot4_noanchor": "rotated fwd 64 × 4-bit (34 B) / bwd 40 × 2-bit (12 B), no anchor",
         "rot3_noanchor": "rotated fwd 64 × 3-bit (26 B) / bwd 40 × 2-bit, no anchor",
         "rot2_noanchor": "rotated fwd 64 × 2-bit (18 B) / bwd 40 × 2-bit, no anchor",
-        "rot4_c20f": "rotated 34 B / 12 B + anchor c = K = 20, forecast"}
+        "rot6_noanchor": "rotated fwd 64 × 6-bit (50 B) / bwd 40 × 2-bit, no anchor",
+        "rot8_noanchor": "rotated fwd 64 × 8-bit (66 B) / bwd 40 × 2-bit, no anchor",
+        "rot4b4_noanchor": "rotated fwd 64 × 4-bit / bwd 64 × 4-bit (34 B both ways), no anchor",
+        "rot4_c20f": "rotated 34 B / 12 B + anchor c = K = 20, forecast",
+        "rot4_c1": "rotated 34 B / 12 B + anchor c = K = 1",
+        "dense_s1": "seed 1: dense (control)",
+        "rot4_noanchor_s1": "seed 1: rotated 34 B / 12 B, no anchor",
+        "rot8_noanchor_s1": "seed 1: rotated 66 B / 12 B, no anchor"}
 
 
 def rows(run: str, name: str = "metrics.jsonl") -> list[dict]:
@@ -34,7 +41,10 @@ def wire(r: list[dict]) -> float:
 
 def main():
     dense = wire(rows("dense"))
-    gain = rows("dense", "eval.jsonl")[-1]["acc"] - rows("dense", "eval.jsonl")[0]["acc"]
+    # share of the gain of the dense control of the same seed (runs named *_s1 against dense_s1)
+    seed = lambda run: "_s1" if run.endswith("_s1") else ""
+    gains = {s: (lambda ev: ev[-1]["acc"] - ev[0]["acc"] if ev else float("nan"))(rows("dense" + s, "eval.jsonl"))
+             for s in ("", "_s1")}
     print("| run | cos(G_comp, G_dense) | gap at step 1 | held-out acc (0, 20, …, 100) | share of dense's gain "
           "| wire / dense fp32 | wire / dense bf16 |\n|---|---|---|---|---|---|---|")
     for run, label in RUNS.items():
@@ -42,7 +52,7 @@ def main():
         if not r or len(ev) < 6:
             continue
         cos = statistics.mean(x["grad/cos_comp_dense"] for x in r if "grad/cos_comp_dense" in x)
-        share = (ev[-1]["acc"] - ev[0]["acc"]) / gain
+        share = (ev[-1]["acc"] - ev[0]["acc"]) / gains[seed(run)]
         print(f"| {label} | {cos:.3f} | {r[0]['rollout_corr/kl']:.3g} | " + " / ".join(f"{e['acc']:.3f}" for e in ev) +
               f" | {share:.2f} | {wire(r) / dense:.3f} | {2 * wire(r) / dense:.3f} |")
 

@@ -9,6 +9,7 @@
 (The lowrank codec runs end to end in tests/test_anchor_dist.py's fault test.)
 """
 import json
+import math
 import os
 import subprocess
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port, launch, rows
+from conftest import ROOT, assert_same_weights, free_port, launch, rows, weights
 from dist_grads import reference_grads
 from ds_twocircuit.control import next_level
 
@@ -117,8 +118,9 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, tm
     """Forward 32 coordinates at 4 bits (18 B per token), backward 20 at 2 bits (8 B): the p2p layer
     sees exactly 8/128 of the dense gradient bytes back on every cut, the forward 18/128 plus the
     row descriptor; the reference and the policy pass see the same code (KL 0 at step 1); a resumed
-    run writes the same rows (the code is keyed by the step); the dense-equivalent counterfactual is
-    what the dense control sent."""
+    run writes the same rows (the code is keyed by the step); 16 micro-batches instead of 4 give the
+    same losses, codec-view KL and weights (the code is a token's own); the dense-equivalent
+    counterfactual is what the dense control sent."""
     budget = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
     launch(8, tmp_path / "run", *budget)
     r = rows(tmp_path / "run")
@@ -135,6 +137,14 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, tm
     launch(8, tmp_path / "resumed", *budget, resume=True)
     strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith("timing/")} for x in rs]
     assert strip(rows(tmp_path / "resumed")) == strip(r)
+    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    (tmp_path / "micro2.json").write_text(json.dumps(cfg))
+    launch(8, tmp_path / "micro2", *budget, config=tmp_path / "micro2.json")
+    for ra, rb in zip(r, rows(tmp_path / "micro2")):
+        for k in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"):
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
+    assert_same_weights(weights(tmp_path / "run"), weights(tmp_path / "micro2"))
 
 
 def test_prf_resume_replays_the_same_masks(prf, tmp_path):

@@ -169,3 +169,22 @@ def test_backward_lies_on_the_forward_coordinates_and_is_unbiased():
     got = torch.stack(got).double()
     z = (got.mean(0) - g.view(d)) / (got.std(0) / math.sqrt(n))
     assert z.abs().max() < 4.5, z
+
+
+def test_code_is_a_tokens_own_whatever_the_micro_batch():
+    """Keys come from (sequence id, position), never from a row's place in the batch: the wire of a
+    batch is its micro-batches' wires stacked, and so are the gradients sent back."""
+    bits = lambda t: t.contiguous().view(torch.uint8)      # the fp16 carrier holds code bytes: NaN patterns too
+    c = cut_codec((32, 4), (20, 2))
+    x = torch.randn(4, 6, 32, requires_grad=True)
+    g = torch.randn(4, 6, 32)
+    pos, sid = torch.arange(6).expand(4, 6), torch.tensor([3, 0, 8, 5])
+    with c.keyed(2):
+        whole = c.wire_out(x, pos, sid, 3)
+        c.wire_in(whole, pos, sid, 3, torch.float32).backward(g)
+        grad_whole, x.grad = x.grad.clone(), None
+        for rows in (slice(0, 1), slice(1, 3), slice(3, 4)):
+            part = c.wire_out(x[rows], pos[rows], sid[rows], 3)
+            assert all(torch.equal(bits(a), bits(b[rows])) for a, b in zip(part, whole))
+            c.wire_in(part, pos[rows], sid[rows], 3, torch.float32).backward(g[rows])
+    assert torch.equal(x.grad, grad_whole)
