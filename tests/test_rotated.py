@@ -38,6 +38,12 @@ def test_pack_round_trip_and_size(bits):
     b = r.pack(q, bits)
     assert b.dtype == torch.uint8 and b.shape == (4, math.ceil(37 * bits / 8))
     assert torch.equal(r.unpack(b, 37, bits), q)
+    # the protocol's bit stream, written out: field i's bit t is stream bit i·b + t, LSB first per byte
+    stream = [(int(v) >> t) & 1 for row in q for v in row for t in range(bits)]
+    per_row = 37 * bits
+    for n in range(4):
+        bits_n = stream[n * per_row:(n + 1) * per_row] + [0] * ((-per_row) % 8)
+        assert b[n].tolist() == [sum(bit << j for j, bit in enumerate(bits_n[i:i + 8])) for i in range(0, len(bits_n), 8)]
 
 
 def test_bytes_per_token_and_budget_checks():

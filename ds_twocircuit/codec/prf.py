@@ -64,6 +64,8 @@ def kept_channels(keys: torch.Tensor, d: int, k: int) -> torch.Tensor:
     """keys (...,) → kept channel indices (..., k), int64, sorted ascending, exactly k distinct."""
     if not 1 <= k <= d:
         raise ValueError(f"keep k={k} must be in [1, d={d}]")
+    if k == d:       # every channel, sorted: what the permutation below gives, without computing it
+        return torch.arange(d, device=keys.device).expand(*keys.shape, d)
     bits = max(2, (d - 1).bit_length())
     flat = keys.reshape(-1)
     rks = [mix32(flat ^ ((i + 1) * _GOLDEN & M32)) for i in range(ROUNDS)]      # (N,)

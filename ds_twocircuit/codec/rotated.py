@@ -108,6 +108,10 @@ def fp16_ceil(a: torch.Tensor) -> torch.Tensor:
 def pack(q_NM: torch.Tensor, bits: int) -> torch.Tensor:
     """b-bit fields, LSB first → (N, ⌈m·b/8⌉) uint8."""
     N, m = q_NM.shape
+    if 8 % bits == 0:     # whole fields per byte: the same bytes as the bit stream below, 8/b at a time
+        per = 8 // bits
+        fields = torch.nn.functional.pad(q_NM, (0, (-m) % per)).view(N, -1, per)
+        return (fields << torch.arange(0, 8, bits)).sum(-1).to(torch.uint8)
     stream = ((q_NM[:, :, None] >> torch.arange(bits)) & 1).reshape(N, m * bits)
     stream = torch.nn.functional.pad(stream, (0, (-m * bits) % 8)).view(N, -1, 8)
     return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
@@ -115,6 +119,8 @@ def pack(q_NM: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(b_NB: torch.Tensor, m: int, bits: int) -> torch.Tensor:
     N = b_NB.shape[0]
+    if 8 % bits == 0:
+        return ((b_NB.long()[:, :, None] >> torch.arange(0, 8, bits)) & (2 ** bits - 1)).view(N, -1)[:, :m]
     stream = ((b_NB.long()[:, :, None] >> torch.arange(8)) & 1).reshape(N, -1)[:, :m * bits]
     return (stream.view(N, m, bits) << torch.arange(bits)).sum(-1)
 
