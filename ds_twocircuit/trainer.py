@@ -38,7 +38,7 @@ from .anchor.correction import SignCorrection
 from .anchor.link import AnchorLink
 from .calibration import calibration_batch, initial_bases
 from .comm import broadcast_tensors, gather_stage_weights
-from .config import RunConfig, as_dict, to_yaml
+from .config import RunConfig, as_dict, write_run_config
 from .control import DriftController
 from .data import build_task, step_rows
 from .engine import build_pipeline
@@ -96,7 +96,7 @@ class Trainer:
             if n:
                 print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
                       f"{self.tc.data.max_prompt_len} tokens", flush=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
+        write_run_config(run, self.run_dir)
         self.sampler = build_sampler(self.model_dir, self.tc)
         self.shapes = self.sampler.weight_shapes()
         self.logger = RunLogger(self.run_dir, {"twocircuit": as_dict(self.tc), **run.ds},

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
-from ds_twocircuit.config import describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
+from ds_twocircuit.config import check_resume, describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
 
 
 def parse_args(argv=None):
@@ -38,6 +38,8 @@ def main(argv=None) -> None:
         return
     run = load_or_exit(load_config, args.ds_config, args.overrides, report=int(os.environ.get("RANK", "0")) == 0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
+    if args.resume:
+        load_or_exit(check_resume, run, run_dir, report=int(os.environ.get("RANK", "0")) == 0)
 
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, free_port
-from ds_twocircuit.config import ConfigError, deepspeed_known_keys, load_config
+from ds_twocircuit.config import ConfigError, check_resume, deepspeed_known_keys, load_config, write_run_config
 
 
 def write(tmp_path, mutate):
@@ -76,6 +76,57 @@ def test_launcher_fails_fast_with_one_line(tmp_path, override):
     assert p.returncode != 0 and len(lines) == 1, p.stdout + p.stderr
     assert elapsed < 10, f"took {elapsed:.1f}s"
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def written_run(tmp_path, *overrides):
+    """A run dir as the trainer leaves it: config.yaml and a checkpoint named by `latest`."""
+    write_run_config(load_config(str(TINY), list(overrides), world_size=8), tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step2")
+    return tmp_path
+
+
+def test_resume_refuses_another_config_naming_the_key(tmp_path):
+    run = written_run(tmp_path, "codec.name=prf", "train.steps=2")
+    again = lambda *o: check_resume(load_config(str(TINY), ["codec.name=prf", *o], world_size=8), run)
+    again("train.steps=2")
+    again("train.steps=10", "log.wandb=true", "anchor.timeout=30")        # length, reporting, waiting
+    with pytest.raises(ConfigError, match=r"codec\.seed was 0, now 3"):
+        again("codec.seed=3")
+    with pytest.raises(ConfigError, match=r"codec\.name was 'prf', now 'dense'"):
+        check_resume(load_config(str(TINY), [], world_size=8), run)
+    cfg = json.loads(TINY.read_text())
+    cfg["gradient_clipping"] = 0.5                                        # DeepSpeed's own keys count too
+    (tmp_path / "clip.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"deepspeed\.gradient_clipping was 0\.05, now 0\.5"):
+        check_resume(load_config(str(tmp_path / "clip.json"), ["codec.name=prf"], world_size=8), run)
+
+
+def test_resume_needs_a_checkpoint_and_a_readable_config(tmp_path):
+    run = load_config(str(TINY), [], world_size=8)
+    with pytest.raises(ConfigError, match="no checkpoint under"):
+        check_resume(run, tmp_path)
+    written_run(tmp_path)
+    check_resume(run, tmp_path)
+    # a key added after the run was written is accepted at its default (what that run did)
+    text = (tmp_path / "config.yaml").read_text().replace("  probe_every: 2\n", "")
+    (tmp_path / "config.yaml").write_text(text)
+    check_resume(run, tmp_path)
+    (tmp_path / "config.yaml").write_text(text[:len(text) // 2] + "\n: [")
+    with pytest.raises(ConfigError, match="config.yaml is unreadable"):
+        check_resume(run, tmp_path)
+
+
+def test_launcher_refuses_to_resume_another_config_with_one_line(tmp_path):
+    """Through the real launcher: one line naming the key, before any process group (< 10 s)."""
+    written_run(tmp_path, "codec.name=prf")
+    t0 = time.time()
+    p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
+                        "--ds-config", str(TINY), "--run-dir", str(tmp_path), "--resume", "codec.name=lowrank"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
+    assert p.returncode != 0 and len(lines) == 1 and "codec.name was 'prf', now 'lowrank'" in lines[0], p.stderr
+    assert time.time() - t0 < 10 and not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)

@@ -10,8 +10,10 @@ import json
 import os
 import pathlib
 import sys
+import time
 from dataclasses import dataclass
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -20,7 +22,7 @@ from .deepspeed_keys import check_deepspeed_keys, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
                      ModelConfig, TinyModelConfig, TrainConfig, TwoCircuitConfig, describe)
 
-__all__ = ["RunConfig", "load_config", "load_or_exit", "load_recipe", "merge_twocircuit", "to_yaml", "as_dict",
+__all__ = ["RunConfig", "load_config", "load_or_exit", "check_resume", "write_run_config", "load_recipe", "merge_twocircuit", "to_yaml", "as_dict",
            "ConfigError", "describe", "check_deepspeed_keys", "deepspeed_known_keys", "TwoCircuitConfig",
            "ModelConfig", "TinyModelConfig", "DataConfig", "GRPOConfig", "TrainConfig", "CodecConfig",
            "AnchorConfig", "ControlConfig", "LogConfig"]
@@ -59,15 +61,68 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     return RunConfig(tc=tc, ds=raw, world_size=world_size)
 
 
+REPORT_WAIT_S = 30.0     # how long a rank that does not report waits to be stopped
+
+
 def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
     """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line on stderr
-    (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts."""
+    (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts. A rank that
+    does not report waits for the launcher to stop it: the first rank to exit non-zero makes
+    DeepSpeed's launcher kill the others, and that must not be one before the reporting rank printed."""
     try:
         return loader(*args)
     except ConfigError as e:
         if report:
             print(f"config error: {e}", file=sys.stderr)
+        else:
+            time.sleep(REPORT_WAIT_S)
         sys.exit(2)
+
+
+# keys a resumed run may change: how long it runs, how it reports and waits, not what it computes
+RESUMABLE = ("train.steps", "train.eval_every", "train.save_every", "log.", "anchor.timeout", "anchor.max_restarts",
+             "sampler.kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.enforce_eager")
+
+
+def write_run_config(run: RunConfig, run_dir: pathlib.Path) -> None:
+    """run_dir/config.yaml: our block as YAML, then one line `deepspeed: <JSON>` (check_resume reads it)."""
+    (run_dir / "config.yaml").write_text(to_yaml(run.tc) + "deepspeed: " + json.dumps(run.ds) + "\n")
+
+
+def check_resume(run: RunConfig, run_dir: pathlib.Path) -> None:
+    """`--resume` into run_dir continues the trajectory its config.yaml describes: a checkpoint must
+    be there, and every key but RESUMABLE's must equal the one it was written with. Raises ConfigError
+    naming each key that differs (before any process group starts)."""
+    saved = run_dir / "config.yaml"
+    if not (run_dir / "checkpoints" / "latest").is_file():
+        raise ConfigError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (no 'latest' file)")
+    if not saved.is_file():
+        raise ConfigError(f"--resume: {saved} is missing: cannot tell which config wrote this run")
+    try:   # as write_run_config wrote it
+        text, _, ds = saved.read_text().partition("\ndeepspeed: ")
+        before = _flat({**OmegaConf.to_container(OmegaConf.create(text)), "deepspeed": json.loads(ds)})
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"--resume: {saved} is unreadable ({str(e).splitlines()[0]})") from None
+    now = _flat({**as_dict(run.tc), "deepspeed": run.ds})
+    # a key newer than the run it resumes was unset then: its default is what that run did
+    before = {**_flat(as_dict(TwoCircuitConfig())), **before}
+    differ = sorted(k for k in before.keys() | now.keys()
+                    if before.get(k, "<unset>") != now.get(k, "<unset>") and not k.startswith(RESUMABLE))
+    if differ:
+        pairs = "; ".join(f"{k} was {before.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}" for k in differ[:5])
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise ConfigError(f"--resume into {run_dir}: written by another config: {pairs}{more}. Resume with the "
+                          "same config and overrides, or start a new --run-dir")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """Nested dicts → {dotted key: leaf}; lists are leaves."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
 
 
 def load_recipe(ds_config_path: str, overrides: list[str] = ()) -> RunConfig:
