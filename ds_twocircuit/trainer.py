@@ -37,6 +37,7 @@ from . import passes, telemetry
 from .anchor.correction import SignCorrection
 from .anchor.link import AnchorLink
 from .calibration import calibration_batch, initial_bases
+from .checkpoint import point_latest, seal
 from .comm import broadcast_tensors, gather_stage_weights
 from .config import RunConfig, as_dict, write_run_config
 from .control import DriftController
@@ -328,7 +329,14 @@ class Trainer:
         tqdm.write(f"[eval] step {step}: held-out greedy accuracy {acc:.3f} (n={len(held)})")
 
     def save_checkpoint(self, done: int) -> None:
-        self.p.engine.save_checkpoint(str(self.run_dir / "checkpoints"), tag=f"step{done}", client_state={"step": done})
+        """DeepSpeed's save, sealed by each node, then named by `latest` (checkpoint.py says why)."""
+        ckpt, tag = self.run_dir / "checkpoints", f"step{done}"
+        self.p.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": done}, save_latest=False)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:          # DeepSpeed's save ends in a barrier
+            seal(ckpt / tag, f"node{os.environ.get('CROSS_RANK', '0')}")
+        dist.barrier()
+        if self.rank0:
+            point_latest(ckpt, tag)
 
     def _load_checkpoint(self) -> int:
         ckpt = self.run_dir / "checkpoints"

@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
+from ds_twocircuit.checkpoint import verify_latest  # noqa: E402
 from ds_twocircuit.config import check_resume, describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
 
 
@@ -40,6 +41,8 @@ def main(argv=None) -> None:
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
     if args.resume:
         load_or_exit(check_resume, run, run_dir, report=int(os.environ.get("RANK", "0")) == 0)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:   # each node checks the files it will read
+            print(f"[resume] {load_or_exit(verify_latest, run_dir / 'checkpoints')}", flush=True)
 
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

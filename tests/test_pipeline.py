@@ -90,6 +90,26 @@ def test_resume_continues_the_same_trajectory(eight, tmp_path):
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
+def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
+    """`latest` names a sealed checkpoint (one manifest per node); one flipped byte in a layer file
+    and `--resume` stops with one line naming that file, before any process group or new row."""
+    import shutil
+    import time
+    run = tmp_path / "run"
+    shutil.copytree(eight, run)
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step4" and (ckpt / "step4" / "manifest.node0.json").is_file()
+    victim = max((ckpt / "step4").glob("layer_*"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    t0 = time.time()
+    p = launch(8, run, "train.steps=6", resume=True, check=False, timeout=120)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("checkpoint error:")]
+    assert p.returncode != 0 and len(lines) == 1 and f"{victim} is corrupt" in lines[0], p.stdout[-3000:]
+    assert time.time() - t0 < 30 and len(rows(run)) == 4
+
+
 def test_several_ppo_mini_batches_use_pipeline_old_logprobs(tiny_model, tmp_path):
     """Two PPO mini-batches per rollout: π_old comes from a pipeline eval pass, so the second
     mini-batch sees a ratio away from 1 (its policy moved with the first update)."""

@@ -65,7 +65,7 @@ REPORT_WAIT_S = 30.0     # how long a rank that does not report waits to be stop
 
 
 def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
-    """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line on stderr
+    """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line (its label) on stderr
     (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts. A rank that
     does not report waits for the launcher to stop it: the first rank to exit non-zero makes
     DeepSpeed's launcher kill the others, and that must not be one before the reporting rank printed."""
@@ -73,7 +73,7 @@ def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
         return loader(*args)
     except ConfigError as e:
         if report:
-            print(f"config error: {e}", file=sys.stderr)
+            print(f"{e.label}: {e}", file=sys.stderr)
         else:
             time.sleep(REPORT_WAIT_S)
         sys.exit(2)

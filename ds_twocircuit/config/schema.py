@@ -9,6 +9,7 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A user's configuration mistake; the message names the key."""
+    label = "config error"      # how an entry point's one line starts
 
 
 def opt(default, help: str):
