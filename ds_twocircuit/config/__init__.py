@@ -140,10 +140,21 @@ def merge_twocircuit(block: dict, overrides: list[str]) -> TwoCircuitConfig:
     schema = OmegaConf.structured(TwoCircuitConfig)
     try:
         merged = OmegaConf.merge(schema, OmegaConf.create(block), OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or ""
+        return OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:   # a list where a section goes: TypeError
+        key = getattr(e, "full_key", None) or _culprit(block, overrides)
         raise ConfigError(f"twocircuit config: {_omegaconf_reason(e)}" + (f" (key '{key}')" if key else "")) from None
-    return OmegaConf.to_object(merged)
+
+
+def _culprit(block: dict, overrides: list[str]) -> str:
+    """The first of the JSON block and the overrides that does not merge onto the schema alone."""
+    for part, source in [(block, "the JSON's twocircuit block")] + [([o], o.split("=")[0]) for o in overrides]:
+        try:
+            extra = OmegaConf.create(part) if isinstance(part, dict) else OmegaConf.from_dotlist(part)
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TwoCircuitConfig), extra))
+        except Exception:   # noqa: BLE001 (any failure names this part)
+            return source
+    return ""
 
 
 def _omegaconf_reason(e: Exception) -> str:

@@ -5,8 +5,10 @@ layers and the world size, the codec's k against the model's width, batch arithm
 block and DeepSpeed's keys, ranges. The model's shape is read from its config.json, without
 importing transformers.
 """
+import dataclasses
 import importlib.util
 import json
+import math
 import pathlib
 
 from ..codec.geometry import cut_layers, keep_count
@@ -14,6 +16,7 @@ from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig,
 
 
 def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
+    check_finite(tc)
     split = tc.model.layers_per_stage
     if not split or min(split) < 1:
         raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
@@ -48,6 +51,16 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
                           "gradients, not fp16's master copies; use bf16")
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
+
+
+def check_finite(section, prefix: str = "") -> None:
+    """No NaN or ±inf anywhere in the block: they pass every range check below unnoticed."""
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v):
+            check_finite(v, f"{prefix}{f.name}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{prefix}{f.name}={v}: must be a finite number")
 
 
 def check_sampler(s) -> None:
@@ -162,10 +175,11 @@ def model_hidden_size(model: ModelConfig) -> int:
 def _hf_config_value(model: ModelConfig, key: str) -> int:
     cfg_file = pathlib.Path(model.path) / "config.json"
     if not cfg_file.is_file():
-        try:  # a hub name already in the local cache
+        try:  # a hub name already in the local cache; a config check never waits on the network
             from huggingface_hub import hf_hub_download
-            cfg_file = pathlib.Path(hf_hub_download(model.path, "config.json"))
+            cfg_file = pathlib.Path(hf_hub_download(model.path, "config.json", local_files_only=True))
         except Exception as e:
-            raise ConfigError(f"model.path='{model.path}': no config.json there or in the HF cache ({e})") from None
+            raise ConfigError(f"model.path='{model.path}': not a model directory, nor a hub name in the local HF "
+                              f"cache (fetch it first: hf download {model.path}) ({str(e).splitlines()[0]})") from None
     cfg = json.loads(cfg_file.read_text())
     return cfg.get(key) or cfg["text_config"][key]

@@ -28,7 +28,8 @@ def resolve_model_dir(path: str) -> pathlib.Path:
     if p.is_dir():
         return p
     from huggingface_hub import snapshot_download  # a hub name already in the local cache
-    return pathlib.Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    return pathlib.Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"],
+                                          local_files_only=True))
 
 
 class SafetensorsReader:
