@@ -89,7 +89,7 @@ def test_fuzzed_deepspeed_keys_load_or_name_the_problem(tmp_path):
             raise AssertionError(f"{key}={cfg[key]!r}: {type(e).__name__}: {e}") from e
 
 
-@pytest.mark.parametrize("overrides", cases(4, seed=7) + [["grpo.lr=abc"], ["codec.keep=-3"]])
+@pytest.mark.parametrize("overrides", cases(4, seed=7) + [["grpo.temperature=abc"], ["codec.keep=-3"]])
 def test_fuzzed_overrides_through_the_launcher(tmp_path, overrides):
     """The real launcher, 8 processes: either one 'config error' line and a non-zero exit in
     under 10 s, or (an accepted config) it starts training: stopped here after 10 s."""
