@@ -88,6 +88,7 @@ def check_file(path: pathlib.Path, want: dict) -> None:
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = path.stat().st_size
     if size != want["bytes"]:
-        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, sealed at {want['bytes']}")
+        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                              f"sealed at {want['bytes']}")
     if sha256(path) != want["sha256"]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the one it was sealed with")

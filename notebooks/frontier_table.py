@@ -26,6 +26,7 @@ RUNS = {"dense": "dense (control)", "prf95": "PRF 5 % + anchor c = K = 1 (prf95.
         "rot4_c20f": "rotated 34 B / 12 B + anchor c = K = 20, forecast",
         "rot4_c1": "rotated 34 B / 12 B + anchor c = K = 1",
         "dense_s1": "seed 1: dense (control)",
+        "prf95_s1": "seed 1: PRF 5 % + anchor c = K = 1 (prf95.json)",
         "rot4_noanchor_s1": "seed 1: rotated 34 B / 12 B, no anchor",
         "rot8_noanchor_s1": "seed 1: rotated 66 B / 12 B, no anchor"}
 

@@ -28,6 +28,7 @@ declare -A RUNS=(
   # a second seed (data order, sampling, codec key; the same warm start)
   [dense_s1]="hf ds_configs/dense.json train.seed=1 codec.seed=1"
   [rot4_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
+  [prf95_s1]="hf ds_configs/prf95.json train.seed=1 codec.seed=1"
   [rot8_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
 )
 names=("$@")

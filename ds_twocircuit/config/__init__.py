@@ -22,7 +22,8 @@ from .deepspeed_keys import check_deepspeed_keys, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
                      ModelConfig, TinyModelConfig, TrainConfig, TwoCircuitConfig, describe)
 
-__all__ = ["RunConfig", "load_config", "load_or_exit", "check_resume", "write_run_config", "load_recipe", "merge_twocircuit", "to_yaml", "as_dict",
+__all__ = ["RunConfig", "load_config", "load_or_exit", "check_resume", "write_run_config", "load_recipe",
+           "merge_twocircuit", "to_yaml", "as_dict",
            "ConfigError", "describe", "check_deepspeed_keys", "deepspeed_known_keys", "TwoCircuitConfig",
            "ModelConfig", "TinyModelConfig", "DataConfig", "GRPOConfig", "TrainConfig", "CodecConfig",
            "AnchorConfig", "ControlConfig", "LogConfig"]
@@ -65,8 +66,8 @@ REPORT_WAIT_S = 30.0     # how long a rank that does not report waits to be stop
 
 
 def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
-    """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line (its label) on stderr
-    (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts. A rank that
+    """`loader(*args)` for an entry point: a ConfigError becomes one `config error:` line (its label)
+    on stderr (when `report`, e.g. on rank 0 only) and exit status 2, before anything else starts. A rank that
     does not report waits for the launcher to stop it: the first rank to exit non-zero makes
     DeepSpeed's launcher kill the others, and that must not be one before the reporting rank printed."""
     try:
