@@ -102,6 +102,7 @@ def refused(n: int, seed: int) -> list[list[str]]:
     raise AssertionError("the fuzzer made too few bad configs")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("overrides", refused(4, seed=7) + [["grpo.temperature=abc"], ["codec.keep=-3"]])
 def test_fuzzed_overrides_through_the_launcher(tmp_path, overrides):
     """The real launcher, 8 processes: one 'config error' line, a non-zero exit, no traceback,
