@@ -16,10 +16,10 @@ with its name. Hashing only: imports nothing heavy, runs before any process grou
 """
 import hashlib
 import json
-import os
 import pathlib
 
 from .config.schema import ConfigError
+from .files import write_atomic
 
 MANIFEST = "manifest.{node}.json"
 
@@ -48,15 +48,6 @@ def seal(tag_dir: pathlib.Path, node: str) -> pathlib.Path:
 
 def point_latest(ckpt_dir: pathlib.Path, tag: str) -> None:
     write_atomic(ckpt_dir / "latest", tag)
-
-
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def verify_latest(ckpt_dir: pathlib.Path) -> str:

@@ -82,6 +82,8 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
     per_param = per_parameter_grads(ds)
     if per_param:
         ds["gradient_clipping"] = 0.0
+    if ds.get("bf16", {}).get("enabled") and ds.get("zero_optimization", {}).get("stage", 0) > 0:
+        ds["bf16"].setdefault("check_grad_overflow", True)   # else its ZeRO path steps a NaN norm (guard.py)
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()
                                                                          if p.requires_grad], config=ds)
     return Pipeline(engine=engine, pipe=pipe, codec=codec, loss=loss, micro=ds["train_micro_batch_size_per_gpu"],

@@ -43,7 +43,9 @@ from .config import RunConfig, as_dict, write_run_config
 from .control import DriftController
 from .data import build_task, step_rows
 from .engine import build_pipeline
+from .faults import fault_point
 from .grads import GradientComparison, GradientViews
+from .guard import FiniteGuard, Verdict
 from .grpo.advantages import group_advantages
 from .grpo.loss import LossCoefs, k3_kl
 from .grpo.rollouts import Rollout, minibatch_shards
@@ -72,10 +74,11 @@ class Trainer:
         self.coefs = LossCoefs.from_config(self.tc.grpo)   # β moves with the drift controller
         self.wire = WireCounter(self.p.stage)
         self.compare, self.correction = self._gradient_hooks()
+        self.guard = FiniteGuard(self.p.engine, self.p.pipe, self.p.loss, own_skip=self.p.per_param_grads)
         self.sign = None      # HF name → sign bits of the anchor fire held, None before the first
         if self.tc.codec.name == "lowrank":
             initial_bases(self.p, calibration_batch(tokenizer, self.task, self.p.micro))
-        self.start = self._load_checkpoint() if resume else 0
+        self.start, held_fire = self._load_checkpoint() if resume else (0, None)
         self.control, control_error = None, ""   # the controller lives on rank 0; the others follow its broadcasts
         if self.rank0:
             control_error = self._start_rank0(run, resume)
@@ -86,7 +89,13 @@ class Trainer:
             anchor_cfg = {"train_micro_batch_size_per_gpu": self.p.micro, "optimizer": run.ds.get("optimizer"),
                           "twocircuit": as_dict(self.tc)}
             self.anchor = AnchorLink(self.tc, run_dir, self.p, json.dumps(anchor_cfg, indent=1),
-                                     self.shapes if self.rank0 else None)
+                                     self.shapes if self.rank0 else None,
+                                     (held_fire, self.start) if held_fire is not None else None)
+            restored = self.anchor.restore(held_fire) if held_fire is not None else None
+            if restored:
+                self.sign = restored.bits
+                if restored.bases:
+                    self.p.codec.set_bases(restored.bases)
         self.theta, _ = self.sync_sampler(self.start)   # the sampler starts from the pipeline's weights
 
     def _start_rank0(self, run: RunConfig, resume: bool) -> str:
@@ -130,8 +139,13 @@ class Trainer:
         steps = self.tc.train.steps
         if self.start == 0:
             self.evaluate(0)
+        streak = 0   # steps in a row skipped for non-finite values (the same on every rank)
         for t in tqdm(range(self.start, steps), desc="grpo", initial=self.start, total=steps, disable=not self.rank0):
-            row = self.step(t)
+            row, verdict = self.step(t)
+            streak = streak + 1 if verdict.skipped else 0
+            if verdict.skipped and self.rank0:
+                tqdm.write(f"[train] step {t + 1}: non-finite loss or gradient on stage(s) {sorted(verdict.stages) or '?'}: "
+                           f"optimizer step skipped on every rank ({streak} in a row)")
             if self.rank0:
                 for key, trend in self.trends.items():
                     slope = trend.update(row)
@@ -140,6 +154,11 @@ class Trainer:
                 if self.control:
                     row.update(self.control.update(row))
                 self.logger.log(row)
+            if streak >= self.tc.train.max_skipped_steps:
+                self.close()
+                raise TrainingStopped(f"{streak} steps in a row skipped for non-finite loss or gradient (stages "
+                                      f"{sorted(verdict.stages) or '?'} at step {t + 1}; train.max_skipped_steps="
+                                      f"{self.tc.train.max_skipped_steps})")
             if self.tc.control.enabled and self.probe_step(t):
                 self.coefs = dataclasses.replace(self.coefs, kl_coef=self.shared_kl_coef())
             done = t + 1
@@ -148,14 +167,18 @@ class Trainer:
             if (self.tc.train.save_every and done % self.tc.train.save_every == 0) or done == steps:
                 self.save_checkpoint(done)
         export_pipeline(self.p.pipe, self.p.dp_rank, self.run_dir / "model", self.model_dir)
+        self.close()
+
+    def close(self) -> None:
         if self.anchor:
             self.anchor.close()
         if self.rank0:
             self.logger.close()
             self.sampler.close()
 
-    def step(self, t: int) -> dict:
-        """Step t on every rank; → its metrics row on rank 0 (empty elsewhere)."""
+    def step(self, t: int) -> tuple[dict, Verdict]:
+        """Step t on every rank; → (its metrics row on rank 0, empty elsewhere; whether its optimizer
+        steps were skipped, the same on every rank)."""
         t0 = time.perf_counter()
         rollout = self.rollout(t)
         t1 = time.perf_counter()
@@ -171,7 +194,7 @@ class Trainer:
         probe = self.probe(shards[0]) if self.probe_step(t) else None
         dense = self.dense_step(t)
         with self.p.codec.off() if dense else contextlib.nullcontext():   # dense step: every pass uncompressed
-            partials, grad_norm = self.update(t, shards, probe)
+            partials, grad_norm, verdict = self.update(t, shards, probe)
         sums = telemetry.sum_to_rank0(partials)
         t3 = time.perf_counter()
         self.theta, sync_row = self.sync_sampler(t + 1)
@@ -179,15 +202,17 @@ class Trainer:
             self.anchor.collect()
         t4 = time.perf_counter()
         if not self.rank0:
-            return {}
+            return {}, verdict
         compared = probe is not None and probe.grads is not None
         return {"step": t + 1, **telemetry.finish(sums, self.p.num_stages, probe is not None, compared),
                 "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
                 "response_length/mean": float(rollout.resp_NT1.sum(1).mean()),
                 "actor/grad_norm": grad_norm, "actor/lr": self.p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
+                "train/skipped_step": float(verdict.skipped),
+                "train/nonfinite_stage": float(min(verdict.stages)) if verdict.stages else -1.0,
                 "timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2, "timing/sync": t4 - t3,
-                "timing/step": t4 - t0, **sync_row}
+                "timing/step": t4 - t0, **sync_row}, verdict
 
     def probe_step(self, t: int) -> bool:
         return bool(self.tc.train.probe_every) and t % self.tc.train.probe_every == 0
@@ -252,9 +277,10 @@ class Trainer:
         partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
         return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads)
 
-    def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None) -> tuple[dict, float]:
+    def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None) -> tuple[dict, float, Verdict]:
         """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t.
-        → (this rank's metric partials, the mean gradient norm of its optimizer steps)."""
+        → (this rank's metric partials, the mean gradient norm of its optimizer steps, which of them
+        were skipped for non-finite values)."""
         g, p = self.tc.grpo, self.p
         on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
@@ -263,7 +289,7 @@ class Trainer:
             with p.codec.counting() as eval_pay:
                 refs = [passes.logprobs(p, mb, self.base) for mb, _ in shards] if self.coefs.kl_coef > 0 else zeros
                 olds = zeros if on_policy else [passes.logprobs(p, mb) for mb, _ in shards]
-            with p.codec.counting() as train_pay, correcting as agreement:
+            with p.codec.counting() as train_pay, correcting as agreement, self.guard.checking(t) as verdict:
                 updates, dots = [], None
                 for _ in range(g.ppo_epochs):
                     for (mb, ntok), old, ref in zip(shards, olds, refs):
@@ -283,7 +309,8 @@ class Trainer:
             train_pay.grad, train_pay.dense]))
         if probe is not None:
             partials.update(probe.partials)
-        return partials, float(np.mean([u.grad_norm for u in updates]))
+        grad_norm = float("nan") if verdict.skipped else float(np.mean([u.grad_norm for u in updates]))
+        return partials, grad_norm, verdict
 
     @staticmethod
     def _loss_sums(updates: list[passes.Update]) -> dict[str, torch.Tensor]:
@@ -329,21 +356,34 @@ class Trainer:
         tqdm.write(f"[eval] step {step}: held-out greedy accuracy {acc:.3f} (n={len(held)})")
 
     def save_checkpoint(self, done: int) -> None:
-        """DeepSpeed's save, sealed by each node, then named by `latest` (checkpoint.py says why)."""
+        """DeepSpeed's save with the held anchor fire, sealed by each node, then named by `latest`
+        (checkpoint.py says why), then pinned in the anchor's mailbox (anchor/link.py)."""
         ckpt, tag = self.run_dir / "checkpoints", f"step{done}"
-        self.p.engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": done}, save_latest=False)
+        fault_point("save", done)
+        client = {"step": done, "anchor_fire": self.anchor.held if self.anchor else -1}
+        self.p.engine.save_checkpoint(str(ckpt), tag=tag, client_state=client, save_latest=False)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:          # DeepSpeed's save ends in a barrier
             seal(ckpt / tag, f"node{os.environ.get('CROSS_RANK', '0')}")
         dist.barrier()
         if self.rank0:
             point_latest(ckpt, tag)
+        if self.anchor:
+            self.anchor.checkpointed(done)
 
-    def _load_checkpoint(self) -> int:
+    def _load_checkpoint(self) -> tuple[int, int | None]:
+        """→ (steps done, the anchor fire held then; None from a checkpoint that did not record it)."""
         ckpt = self.run_dir / "checkpoints"
         if not (ckpt / "latest").is_file():
             raise ValueError(f"--resume: no checkpoint under {ckpt}")
         _, client = self.p.engine.load_checkpoint(str(ckpt))
-        return int(client["step"])
+        fire = client.get("anchor_fire")
+        return int(client["step"]), (int(fire) if fire is not None and self.tc.anchor.enabled else None)
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (every rank raises it at the same step); launch/train.py prints it as one line."""
+
+    label = "training stopped"
 
 
 class all_threads:

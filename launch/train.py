@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. train.steps=50")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)   # key=value overrides may come before or after the options
     if not args.help_config and not args.ds_config:
         p.error("the following arguments are required: --ds-config")
     return args
@@ -48,11 +48,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ds_twocircuit.engine import init_distributed
     from ds_twocircuit.model.weights import base_model_dir
-    from ds_twocircuit.trainer import Trainer
+    from ds_twocircuit.trainer import Trainer, TrainingStopped
 
     model_dir = base_model_dir(run.tc)
     init_distributed()
-    Trainer(run, run_dir, model_dir, resume=args.resume).run()
+    try:
+        Trainer(run, run_dir, model_dir, resume=args.resume).run()
+    except TrainingStopped as e:   # every rank stops at the same step; one line says why
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -38,16 +38,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False):
+def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False, env=None):
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
            str(ROOT / "launch" / "train.py"), "--ds-config", str(config), "--run-dir", str(run_dir)]
     cmd += (["--resume"] if resume else []) + list(overrides)
-    return cmd, {**os.environ, "PYTHONPATH": str(ROOT)}
+    return cmd, {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
 
 
-def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True):
+def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True, env=None):
     """`deepspeed --num_gpus N launch/train.py ...` as a user runs it; → CompletedProcess."""
-    cmd, env = launch_cmd(nprocs, run_dir, *overrides, config=config, resume=resume)
+    cmd, env = launch_cmd(nprocs, run_dir, *overrides, config=config, resume=resume, env=env)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"launch failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
@@ -93,3 +93,47 @@ def eight(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("eight")
     launch(8, d)
     return d
+
+
+# sync mode, the anchor on (c = K = 2), PRF boundaries, a checkpoint every 3 of 12 steps
+ANCHORED = ("codec.name=prf", "anchor.enabled=true", "anchor.mode=sync", "anchor.every=2", "anchor.staleness=2",
+            "anchor.timeout=60", "train.steps=12", "train.save_every=3", "train.eval_every=100", "train.probe_every=0")
+
+
+@pytest.fixture(scope="session")
+def anchored(tiny_model, tmp_path_factory):
+    """The two-circuit reference run: 8 ranks on one host, the managed anchor, ANCHORED's config."""
+    d = tmp_path_factory.mktemp("anchored")
+    launch(8, d, *ANCHORED)
+    return d
+
+
+def _shape_msg(k: str) -> bool:
+    return k.startswith("codec/") and k.endswith("bytes_fwd") or k == "codec/dense_equiv_bytes"
+
+
+def assert_resumed_rows(full: list[dict], resumed: list[dict], restarts: set[int], volatile=("timing/",)) -> None:
+    """A resumed run's rows equal the uninterrupted run's, bit for bit, but for wall-clock keys and,
+    at each step a restarted engine ran first (`restarts`), DeepSpeed's shape message: its first
+    send carries one (1 KB per cut), which the uninterrupted run sends again only when its padded
+    length changes."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]
+    for ra, rb in zip(full, resumed):
+        a, b = ({k: v for k, v in r.items() if not k.startswith(volatile)} for r in (ra, rb))
+        if ra["step"] in restarts:
+            extra = {k: b[k] - a[k] for k in a if _shape_msg(k)}
+            assert all(v in (0, 1024 * (7 if "boundary" not in k else 1)) for k, v in extra.items()), extra
+            a, b = ({k: v for k, v in x.items() if not _shape_msg(k)} for x in (a, b))
+        assert a == b, (ra["step"], {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)})
+
+
+def can_make_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs iproute2 (ip, tc)"
+    name = f"tclprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
+        return "this kernel/sandbox refuses 'ip netns add'"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None

@@ -1,4 +1,5 @@
 """The anchor's pure pieces: sign packing, the correction's closed forms, the staleness contract."""
+import json
 import math
 
 import pytest
@@ -83,8 +84,10 @@ def test_forecast_secant():
 
 
 # ---- the mailbox's files ------------------------------------------------------------------
-from ds_twocircuit.anchor.mailbox import (HEADER_BYTES, MailboxError, read_sign, read_state, read_tensors,  # noqa: E402
-                                          state_path, write_sign, write_state, write_tensors)
+from ds_twocircuit.anchor.mailbox import (HEADER_BYTES, MailboxError, batch_path, pending_requests,  # noqa: E402
+                                          published_fires, read_pin, read_sign, read_state, read_tensors, rewind,
+                                          sign_dir, state_path, steps_in, theta_path, write_pin, write_request,
+                                          write_sign, write_state, write_tensors)
 
 SHAPES = {"a.weight": (3, 5), "b.bias": (7,)}
 
@@ -156,3 +159,46 @@ def test_sign_file_size_and_rejections(tmp_path):
     p.write_bytes(b"X" * len(raw))
     with pytest.raises(MailboxError, match="not a sign file"):
         read_sign(p, 1, SHAPES)
+
+
+def _mailbox(root, fires=(0, 2, 4, 6), K=2):
+    """Requests, shipped inputs, signs and states of `fires` (weights step f − K), as a run leaves them."""
+    shapes = {"w": (4,)}
+    for f in fires:
+        s = weights_step(f, K)
+        write_request(root, {"fire": f, "weights_step": s, "older_step": None, "stages": 1, "every": 2,
+                             "staleness": K, "kl_coef": 0.0})
+        write_tensors(theta_path(root, s, 0), s, {"w": torch.full((4,), float(s))})
+        write_tensors(batch_path(root, s), s, {"ids_NT": torch.zeros(1, 2)})
+        write_sign(sign_dir(root, f) / "stage0.sign", f, 0, shapes, pack_signs(torch.randn(4)), 4)
+        write_state(root, f, {"w": torch.full((4,), float(f))})
+
+
+def test_rewind_removes_exactly_what_lies_past_the_checkpoint(tmp_path):
+    """A checkpoint after 3 steps holding fire 2 (c = K = 2): fire 4 replays θ(2), shipped before the
+    checkpoint, so its request and inputs stay (the resumed trainer will not ship them again); fire
+    6 replays θ(4), shipped after it: request and inputs go. Every sign and state after fire 2 goes."""
+    write_pin(tmp_path, 2, 3)                                    # the checkpoint pinned fire 2
+    _mailbox(tmp_path)
+    assert steps_in(tmp_path / "state", ".safetensors") == [2, 4, 6]   # fire 0's: before the pin, not newest 2
+    gone = rewind(tmp_path, 2, 3)
+    assert gone == {"requests": 1, "inputs": 1, "signs": 2, "states": 2}
+    assert [r["fire"] for r in pending_requests(tmp_path, -1)] == [0, 2, 4]
+    assert steps_in(tmp_path / "theta") == [0, 2] and steps_in(tmp_path / "batch", ".safetensors") == [0, 2]
+    assert published_fires(tmp_path) == [0, 2]
+    fire, state, _ = read_state(tmp_path)
+    assert fire == 2 and torch.equal(state["w"], torch.full((4,), 2.0))
+    assert read_pin(tmp_path) == {"fire": 2, "step": 3}
+    assert json.loads((tmp_path / "rewind.json").read_text())["fire"] == 2
+
+
+def test_states_are_kept_from_the_pin_on_and_a_fresh_run_rewinds_to_nothing(tmp_path):
+    _mailbox(tmp_path, fires=(0, 2, 4, 6, 8))
+    assert steps_in(tmp_path / "state", ".safetensors") == [6, 8]      # no checkpoint: the newest two
+    write_pin(tmp_path, 2, 3)
+    write_state(tmp_path, 10, {"w": torch.zeros(4)})
+    assert steps_in(tmp_path / "state", ".safetensors") == [6, 8, 10]  # nothing older than the pin left to keep
+    rewind(tmp_path, -1, 0, pin=False)
+    assert not (tmp_path / "pin.json").exists() and read_pin(tmp_path)["fire"] == -1
+    assert published_fires(tmp_path) == [] and read_state(tmp_path)[0] == -1
+    assert pending_requests(tmp_path, -1) == [] and steps_in(tmp_path / "theta") == []

@@ -1,25 +1,12 @@
 """The slow-link benchmark in miniature: two stages in two network namespaces, shaped and unshaped."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
-
-
-def can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if not (shutil.which("ip") and shutil.which("tc")):
-        return "needs iproute2 (ip, tc)"
-    name = f"tclprobe{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
-        return "this kernel/sandbox refuses 'ip netns add'"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
+from conftest import ROOT, can_make_namespaces
 
 
 @pytest.mark.dist

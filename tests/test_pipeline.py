@@ -18,8 +18,6 @@ from conftest import ROOT, assert_same_weights, free_port, launch, rows, stages,
 
 pytestmark = pytest.mark.dist
 
-NONTIMING = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/")}
-
 
 @pytest.mark.parametrize("n_stages", [8, 3])
 def test_pipeline_logits_match_hf(tiny_model, tmp_path, n_stages):
@@ -67,27 +65,6 @@ def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
     assert_same_weights(weights(eight), weights(tmp_path / "run"))
-
-
-def test_resume_continues_the_same_trajectory(eight, tmp_path):
-    launch(8, tmp_path, "train.steps=2")
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step2"
-    launch(8, tmp_path, resume=True)
-    full, resumed = rows(eight), rows(tmp_path)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    # the restarted engine's first send carries DeepSpeed's shape message (1 KB per cut); the
-    # uninterrupted run sends one at step 3 only if its padded length changed: nothing else may differ
-    shape_msg = lambda k: k.startswith("codec/") and k.endswith("bytes_fwd") or k == "codec/dense_equiv_bytes"
-    for ra, rb in zip(full, resumed):
-        a, b = NONTIMING(ra), NONTIMING(rb)
-        if ra["step"] == 3:
-            extra = {k: b[k] - a[k] for k in a if shape_msg(k)}
-            assert all(v in (0, 1024 * (7 if "boundary" not in k else 1)) for k, v in extra.items()), extra
-            a, b = ({k: v for k, v in x.items() if not shape_msg(k)} for x in (a, b))
-        assert a == b, ra["step"]
-    assert rows(eight, "eval.jsonl") == rows(tmp_path, "eval.jsonl")
-    wa, wb = weights(eight), weights(tmp_path)
-    assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
 def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):

@@ -15,6 +15,11 @@ mailbox. `step(t)`, before step t's update, on every rank:
 and returns the newly adopted `Sign` (None when the held one stays) with the step's anchor metrics.
 A managed anchor (process.py) that dies is restarted at the next fire while the held sign ages; an
 external one that does not answer within `anchor.timeout` seconds is waited for no longer.
+
+Checkpoints: each trainer checkpoint records the held fire; `checkpointed` pins it in the mailbox
+(what the anchor and `collect` must keep to rewind to it). On --resume rank 0 ends a managed anchor
+left from the crashed run, rewinds the mailbox to the checkpoint (mailbox.rewind) and every rank
+takes up the checkpoint's sign again (`restore`), so the run continues the uninterrupted trajectory.
 """
 import math
 import pathlib
@@ -40,13 +45,16 @@ class Sign:
 
 
 class AnchorLink:
-    def __init__(self, tc, run_dir: pathlib.Path, pipeline, config_json: str, shapes: dict | None):
-        """`shapes`: HF name → (shape, dtype) of the whole model (rank 0's sampler); None elsewhere."""
+    def __init__(self, tc, run_dir: pathlib.Path, pipeline, config_json: str, shapes: dict | None,
+                 resume: tuple[int, int] | None = None):
+        """`shapes`: HF name → (shape, dtype) of the whole model (rank 0's sampler); None elsewhere.
+        `resume`: (held fire, step) of the checkpoint a resumed run starts from."""
         self.a, self.steps, self.shapes = tc.anchor, tc.train.steps, shapes
         self.pipe, self.lowrank_cuts = pipeline.pipe, sorted(pipeline.codec.cuts) if tc.codec.name == "lowrank" else []
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
         self.held = -1                      # the fire whose sign every rank holds
+        self.pinned = resume[0] if resume else None   # the held fire of the newest checkpoint
         grid = pipeline.engine.grid
         self.stage_of_rank = {grid.stage_to_global(stage_id=s, data=d): s
                               for s in range(grid.pipe_parallel_size) for d in range(grid.data_parallel_size)}
@@ -57,6 +65,15 @@ class AnchorLink:
             (self.root / "config.json").write_text(config_json)
             if not self.a.external:
                 self.process = AnchorProcess(self.root, self.a.max_restarts)
+            if self.process is not None:
+                self.process.stop_stale()
+            # a fresh run rewinds to nothing: an earlier run's files in this mailbox are not its own
+            gone = mb.rewind(self.root, *(resume or (-1, 0)), pin=resume is not None)
+            if resume or any(gone.values()):
+                print(f"[anchor] rewound the mailbox to fire {resume[0] if resume else -1} (checkpoint after step "
+                      f"{resume[1] if resume else 0}): removed " + ", ".join(f"{n} {k}" for k, n in gone.items()),
+                      flush=True)
+            if self.process is not None:
                 self.process.start()
 
     def step(self, t: int, theta: dict | None, rollout, kl_coef: float) -> tuple[Sign | None, dict]:
@@ -75,6 +92,30 @@ class AnchorLink:
             out.update({"anchor/age": float(t - weights_step(self.held, self.a.staleness)), "anchor/fire": float(self.held)})
         return new, out
 
+    def restore(self, fire: int) -> Sign | None:
+        """Every rank takes up the sign of `fire` again (a resumed checkpoint's); None when it held
+        none, or its files no longer check out (then the run goes on without, and says so)."""
+        staged = None
+        if self.rank0 and fire >= 0:
+            try:
+                staged = self._read_fire(fire)
+            except mb.MailboxError as e:
+                print(f"[anchor] the checkpoint's sign (fire {fire}) is unusable: {e}; resuming without it",
+                      file=sys.stderr, flush=True)
+        choice = torch.tensor([fire if staged is not None else -1], dtype=torch.int64)
+        dist.broadcast(choice, src=0)
+        if int(choice) < 0:
+            return None
+        new, _ = self._distribute(int(choice), staged)
+        self.held = new.fire
+        return new
+
+    def checkpointed(self, step: int) -> None:
+        """Rank 0, after a checkpoint of `step` steps is complete: pin its held fire in the mailbox."""
+        if self.rank0:
+            mb.write_pin(self.root, self.held, step)
+            self.pinned = self.held
+
     def ships_at(self, t: int) -> bool:
         """Whether step t ships θ(t) (then rank 0 must hold the dense weights of step t)."""
         return bool(fires_replaying(t, self.a.every, self.a.staleness, self.steps))
@@ -88,8 +129,9 @@ class AnchorLink:
     def collect(self) -> None:
         """Rank 0: drop shipped inputs the anchor can no longer need (older than the held fire's
         weights step minus one cadence, which the forecast may still read) and superseded signs."""
-        if self.rank0 and self.held >= 0:
-            mb.prune(self.root, weights_step(self.held, self.a.staleness) - self.a.every, self.held)
+        keep = self.held if self.pinned is None else min(self.held, self.pinned)   # a resume may rewind to the pin
+        if self.rank0 and keep >= 0:
+            mb.prune(self.root, weights_step(keep, self.a.staleness) - self.a.every, keep)
 
     # ---- rank 0 -----------------------------------------------------------------------------
     def _ship(self, t: int, theta: dict, rollout, kl_coef: float) -> int:
@@ -135,11 +177,15 @@ class AnchorLink:
             return self.held, None, waited
         f = max(ready)
         try:   # check every file before anyone waits for the bits: a bad file is skipped, not fatal
-            bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.lowrank_cuts else None
-            return f, (*self._read_stage_bits(f), bases), waited
+            return f, self._read_fire(f), waited
         except mb.MailboxError as e:
             print(f"[anchor] fire {f} rejected: {e}; holding fire {self.held}", file=sys.stderr, flush=True)
             return self.held, None, waited
+
+    def _read_fire(self, f: int) -> tuple:
+        """Fire f's checked files → (stage bits, bytes read, bases or None); MailboxError if one is bad."""
+        bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.lowrank_cuts else None
+        return (*self._read_stage_bits(f), bases)
 
     def _read_stage_bits(self, f: int) -> tuple[dict[str, torch.Tensor], int]:
         """Every stage's sign file, checked against that stage's layout → (name → flat bool, bytes read)."""

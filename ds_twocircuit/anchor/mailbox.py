@@ -8,8 +8,18 @@ Layout under the mailbox directory (any file transport can carry it between host
     batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
     sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
     sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
-    state/step{f:08d}.safetensors           + .json           the anchor's M (and bases) after fire f (the last 2)
+    state/step{f:08d}.safetensors           + .json           the anchor's M (and bases) after fire f: the
+                                                              last 2 and every one from the pinned fire on
+    pin.json                                                  the fire and step of the trainer's newest checkpoint
+    rewind.json                                               written by a resumed trainer: a running anchor reloads
     STOP                                                      the trainer is done: the anchor exits
+
+Crash consistency: a trainer checkpoint after step s records the fire h whose sign it held (pin.json
+says the same to the anchor, which keeps its state of fire h and every later one). `rewind(h, s)`
+on --resume removes what lies past that checkpoint: the requests for fires whose weights step is s
+or later and their shipped θ and batches (the resumed trainer ships them again), and every sign and
+state of a fire after h. The anchor then resumes M from fire h and recomputes the later fires, from
+the kept inputs of steps before s and the reshipped ones, as the uninterrupted run did.
 
 A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
 checks all three and raises `MailboxError` naming the file. A sign file is a fixed 96-byte header
@@ -27,6 +37,8 @@ import struct
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..files import write_atomic
+
 MAGIC = b"TCSIGN\0\0"
 VERSION = 1
 _HEADER = struct.Struct("<8sIqiq32s32s")   # 96 bytes
@@ -35,16 +47,6 @@ HEADER_BYTES = _HEADER.size
 
 class MailboxError(ValueError):
     """A shipped file is missing, corrupt, truncated, stale or does not match what the reader expects."""
-
-
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _sha256(data: bytes) -> str:
@@ -102,13 +104,72 @@ def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
 
 
 def write_state(root: pathlib.Path, fire: int, tensors: dict[str, torch.Tensor], keep: int = 2) -> None:
-    """The anchor's state after fire f, in a file of its own; the `keep` newest are kept. A process
-    killed between the tensor file's and its manifest's rename leaves a file that does not check
-    out, and the previous fire's state is still there to fall back to (read_state)."""
+    """The anchor's state after fire f, in a file of its own; the `keep` newest and those of the
+    pinned fire on are kept (a resume may rewind to them). A process killed between the tensor
+    file's and its manifest's rename leaves a file that does not check out, and the previous fire's
+    state is still there to fall back to (read_state)."""
     write_tensors(state_path(root, fire), fire, tensors)
+    pinned = read_pin(root)["fire"]
     for f in steps_in(root / "state", ".safetensors")[:-keep]:
-        for suffix in (".safetensors", ".json"):
-            state_path(root, f).with_suffix(suffix).unlink(missing_ok=True)
+        if pinned < 0 or f < pinned:   # a resume rewinds to the pinned fire at the earliest
+            _remove_state(root, f)
+
+
+def _remove_state(root: pathlib.Path, fire: int) -> None:
+    for suffix in (".safetensors", ".json"):
+        state_path(root, fire).with_suffix(suffix).unlink(missing_ok=True)
+
+
+def write_pin(root: pathlib.Path, fire: int, step: int) -> None:
+    """The trainer's newest checkpoint: after `step` steps, holding the sign of `fire`."""
+    write_atomic(root / "pin.json", json.dumps({"fire": fire, "step": step}).encode())
+
+
+def read_pin(root: pathlib.Path) -> dict:
+    """→ {"fire", "step"} of the newest checkpoint; fire −1 before any, or when it held no sign
+    (then a resume starts M afresh: no state needs keeping)."""
+    try:
+        return json.loads((root / "pin.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"fire": -1, "step": 0}
+
+
+def rewind(root: pathlib.Path, fire: int, step: int, pin: bool = True) -> dict[str, int]:
+    """Remove what lies past a checkpoint taken after `step` steps holding the sign of `fire` (see
+    the module docstring), pin it (`pin`; a fresh run, rewinding to (−1, 0), unpins), and write
+    rewind.json for a running anchor; → counts removed."""
+    gone = {"requests": 0, "inputs": 0, "signs": 0, "states": 0}
+    for f in steps_in(root / "fire", ".json"):
+        path = root / "fire" / f"step{f:08d}.json"
+        try:
+            shipped_at = json.loads(path.read_text())["weights_step"]
+        except (OSError, json.JSONDecodeError, KeyError):
+            shipped_at = step   # unreadable: it cannot be trusted, the resumed trainer writes it again
+        if shipped_at >= step:
+            path.unlink(missing_ok=True)
+            gone["requests"] += 1
+    for s in steps_in(root / "theta"):
+        if s >= step:
+            shutil.rmtree(root / "theta" / f"step{s:08d}", ignore_errors=True)
+            gone["inputs"] += 1
+    for s in steps_in(root / "batch", ".safetensors"):
+        if s >= step:
+            for suffix in (".safetensors", ".json"):
+                batch_path(root, s).with_suffix(suffix).unlink(missing_ok=True)
+    for f in published_fires(root):
+        if f > fire:
+            shutil.rmtree(sign_dir(root, f), ignore_errors=True)
+            gone["signs"] += 1
+    for f in steps_in(root / "state", ".safetensors"):
+        if f > fire:
+            _remove_state(root, f)
+            gone["states"] += 1
+    if pin:
+        write_pin(root, fire, step)
+    else:
+        (root / "pin.json").unlink(missing_ok=True)
+    write_atomic(root / "rewind.json", json.dumps({"fire": fire, "step": step, "pid": os.getpid()}).encode())
+    return gone
 
 
 def read_state(root: pathlib.Path) -> tuple[int, dict[str, torch.Tensor], list[str]]:
@@ -124,7 +185,7 @@ def read_state(root: pathlib.Path) -> tuple[int, dict[str, torch.Tensor], list[s
 
 
 def write_request(root: pathlib.Path, request: dict) -> None:
-    _atomic_write(root / "fire" / f"step{request['fire']:08d}.json", json.dumps(request).encode())
+    write_atomic(root / "fire" / f"step{request['fire']:08d}.json", json.dumps(request).encode())
 
 
 def pending_requests(root: pathlib.Path, after: int) -> list[dict]:
@@ -157,7 +218,7 @@ def write_tensors(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor
     os.replace(tmp, path)
     manifest = {"step": step, "file": path.name, "sha256": _sha256(data),
                 "shapes": {n: list(t.shape) for n, t in tensors.items()}}
-    _atomic_write(path.with_suffix(".json"), json.dumps(manifest).encode())
+    write_atomic(path.with_suffix(".json"), json.dumps(manifest).encode())
 
 
 def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
@@ -185,7 +246,7 @@ def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None 
 # ---- sign(M) -----------------------------------------------------------------------------
 def write_sign(path: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple], bits: bytes, numel: int) -> None:
     header = _HEADER.pack(MAGIC, VERSION, step, stage, numel, layout_digest(shapes), hashlib.sha256(bits).digest())
-    _atomic_write(path, header + bits)
+    write_atomic(path, header + bits)
 
 
 def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple], newer_than: int = -1) -> tuple[int, bytes, int]:

@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import psutil
+
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
              "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
@@ -46,6 +48,21 @@ class AnchorProcess:
                   file=sys.stderr, flush=True)
             self.gave_up = True
         return True
+
+    def stop_stale(self) -> None:
+        """Before a resume rewinds the mailbox: end the anchor a crashed trainer started, if it still
+        runs (it exits by itself when it sees its trainer gone, but may be inside a fire)."""
+        try:
+            pid = int((self.root / "anchor.pid").read_text())
+            proc = psutil.Process(pid)
+            if "ds_twocircuit.anchor.worker" not in " ".join(proc.cmdline()):
+                return
+            proc.terminate()
+            proc.wait(timeout=10)
+        except psutil.TimeoutExpired:
+            proc.kill()
+        except (OSError, ValueError, psutil.Error):
+            return
 
     def wait(self, timeout: float = 30) -> None:
         """After the trainer wrote STOP: let the process exit, or kill it."""

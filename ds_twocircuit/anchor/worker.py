@@ -13,9 +13,11 @@ hosts. For each fire request, in fire order:
 
 With the lowrank codec each cut's basis is refreshed from the replay's activations X at that cut by
 one subspace iteration, Q ← orth(Xᵀ(X·Q)) (the first fire takes X's top-k right singular vectors),
-and shipped beside the sign. M and the bases are saved after every fire (state/step{f}.safetensors,
-the last two kept), so a restarted anchor resumes from the newest that checks out, also when it was
-killed mid-write.
+and shipped beside the sign. M and the bases are saved after every fire, before its sign is
+published (state/step{f}.safetensors; the last two and those the trainer's checkpoint pins are
+kept), so a restarted anchor resumes from the newest that checks out, also when it was killed
+mid-write, and publishes that fire's sign again if it had not yet. A resumed trainer rewinds the
+mailbox to its checkpoint (mailbox.rewind); a running anchor sees rewind.json change and reloads.
 """
 import argparse
 import copy
@@ -61,6 +63,7 @@ class AnchorWorker:
         self.M: dict[str, torch.Tensor] = {}
         self.bases: dict[int, torch.Tensor] = {}
         self.done = -1
+        self._rewind_seen = self._rewind_mark()
         self._load_state()
 
     # ---- state ------------------------------------------------------------------------------
@@ -74,6 +77,31 @@ class AnchorWorker:
         self.bases = {int(n.split("cut")[1]): t for n, t in saved.items() if n.startswith("basis.")}
         self.done = fire
         log(f"resumed M from {mb.state_path(self.root, fire)} (fire {fire}, {len(self.M)} tensors)")
+        if not mb.sign_dir(self.root, fire).is_dir():   # killed between its state and its sign
+            self._publish_again(fire)
+
+    def _publish_again(self, fire: int) -> None:
+        req = next((r for r in mb.pending_requests(self.root, fire - 1) if r["fire"] == fire), None)
+        try:
+            if req is None:
+                raise mb.MailboxError(f"no request for fire {fire}")
+            self._publish(fire, [mb.manifest_shapes(mb.theta_path(self.root, req["weights_step"], i))
+                                 for i in range(req["stages"])])
+            log(f"published fire {fire} again (its state was saved, its sign was not)")
+        except mb.MailboxError as e:
+            log(f"cannot publish fire {fire} again: {e}")
+
+    def _rewind_mark(self) -> bytes:
+        path = self.root / "rewind.json"
+        return path.read_bytes() if path.is_file() else b""
+
+    def _reload_if_rewound(self) -> None:
+        """A resumed trainer rewound the mailbox: forget M and start again from the kept state."""
+        mark = self._rewind_mark()
+        if mark != self._rewind_seen:
+            self._rewind_seen, self.M, self.bases, self.done = mark, {}, {}, -1
+            log(f"the trainer rewound the mailbox ({mark.decode(errors='replace')}): reloading")
+            self._load_state()
 
     def _save_state(self, fire: int) -> None:
         mb.write_state(self.root, fire, {**self.M, **{f"basis.cut{l}": q for l, q in self.bases.items()}})
@@ -87,7 +115,10 @@ class AnchorWorker:
             if parent_pid and not _alive(parent_pid):
                 log(f"trainer (pid {parent_pid}) is gone: exiting")
                 return
+            self._reload_if_rewound()
             for req in mb.pending_requests(self.root, self.done):
+                if self._rewind_mark() != self._rewind_seen:
+                    break
                 try:
                     self.fire(req)
                 except mb.MailboxError as e:   # inputs missing or corrupt: skip this fire, keep serving
@@ -109,8 +140,8 @@ class AnchorWorker:
         b = self.tc.anchor.beta_m
         for n, t in g.items():
             self.M[n] = b * self.M[n] + (1 - b) * t if n in self.M else (1 - b) * t
-        self._publish(f, layouts)
         self._save_state(f)
+        self._publish(f, layouts)
         self.done = f
         how = f"θ({s})" if req.get("older_step") is None else f"θ̂ from θ({s}), θ({req['older_step']})"
         log(f"fire {f}: replayed {how} on {batch.ids_NT.shape[0]} sequences in {time.perf_counter() - t0:.2f} s")

@@ -88,6 +88,7 @@ class TrainConfig:
     save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)", lo=0)
     dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
     probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
+    max_skipped_steps: int = opt(5, "stop after this many steps in a row skipped for a non-finite loss or gradient", lo=1)
 
 
 @dataclass
