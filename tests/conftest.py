@@ -38,6 +38,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a fail-fast launch's bound: DeepSpeed's launcher alone takes 6-12 s here to start 8 ranks that exit
+# at once (2 cores, more under load); a refused config that started a process group, or ranks left
+# waiting (they sleep 30 s for the launcher to end them), would take longer
+FAIL_FAST_S = 25
+
+
 def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False, env=None):
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
            str(ROOT / "launch" / "train.py"), "--ds-config", str(config), "--run-dir", str(run_dir)]

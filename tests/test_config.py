@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, free_port
+from conftest import FAIL_FAST_S, ROOT, TINY, free_port
 from ds_twocircuit.config import ConfigError, check_resume, deepspeed_known_keys, load_config, write_run_config
 
 
@@ -74,7 +74,8 @@ def test_good_config_derives_batches():
 
 @pytest.mark.parametrize("override", ["grpo.bogus=1", "model.layers_per_stage=[2,2,2,1,1,1,1,1]"])
 def test_launcher_fails_fast_with_one_line(tmp_path, override):
-    """Through the real launcher with 8 processes: < 10 s, exit code != 0, one 'config error' line."""
+    """Through the real launcher with 8 processes: fast (conftest.FAIL_FAST_S), exit code != 0, one
+    'config error' line."""
     t0 = time.time()
     p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
                         "--ds-config", str(TINY), "--run-dir", str(tmp_path), override],
@@ -82,7 +83,7 @@ def test_launcher_fails_fast_with_one_line(tmp_path, override):
     elapsed = time.time() - t0
     lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
     assert p.returncode != 0 and len(lines) == 1, p.stdout + p.stderr
-    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert elapsed < FAIL_FAST_S, f"took {elapsed:.1f}s"
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -126,7 +127,7 @@ def test_resume_needs_a_checkpoint_and_a_readable_config(tmp_path):
 
 
 def test_launcher_refuses_to_resume_another_config_with_one_line(tmp_path):
-    """Through the real launcher: one line naming the key, before any process group (< 10 s)."""
+    """Through the real launcher: one line naming the key, before any process group."""
     written_run(tmp_path, "codec.name=prf")
     t0 = time.time()
     p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
@@ -134,7 +135,7 @@ def test_launcher_refuses_to_resume_another_config_with_one_line(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
     assert p.returncode != 0 and len(lines) == 1 and "codec.name was 'prf', now 'lowrank'" in lines[0], p.stderr
-    assert time.time() - t0 < 10 and not (tmp_path / "metrics.jsonl").exists()
+    assert time.time() - t0 < FAIL_FAST_S and not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)

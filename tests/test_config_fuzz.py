@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, free_port
+from conftest import FAIL_FAST_S, ROOT, TINY, free_port
 from ds_twocircuit.config import ConfigError, TwoCircuitConfig, as_dict, load_config
 
 VALUES = ["-1", "0", "1", "3", "1000000000000", "-1e308", "1e308", "nan", "inf", "-inf", "abc", "''", "[1,2]",
@@ -106,7 +106,7 @@ def refused(n: int, seed: int) -> list[list[str]]:
 @pytest.mark.parametrize("overrides", refused(4, seed=7) + [["grpo.temperature=abc"], ["codec.keep=-3"]])
 def test_fuzzed_overrides_through_the_launcher(tmp_path, overrides):
     """The real launcher, 8 processes: one 'config error' line, a non-zero exit, no traceback,
-    in under 10 s."""
+    well before any process group could start (conftest.FAIL_FAST_S)."""
     t0 = time.time()
     p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
                         "--ds-config", str(TINY), "--run-dir", str(tmp_path), *overrides],
@@ -114,4 +114,4 @@ def test_fuzzed_overrides_through_the_launcher(tmp_path, overrides):
     lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
     assert p.returncode != 0 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-2000:]
     assert "Traceback" not in p.stdout + p.stderr
-    assert time.time() - t0 < 10, f"took {time.time() - t0:.1f}s"
+    assert time.time() - t0 < FAIL_FAST_S, f"took {time.time() - t0:.1f}s"
