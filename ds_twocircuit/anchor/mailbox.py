@@ -91,16 +91,23 @@ def published_fires(root: pathlib.Path) -> list[int]:
 def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
     """Remove shipped θ and batches of steps before `inputs_before` and signs of fires before
     `signs_before` (what no fire can read any more)."""
-    for step in steps_in(root / "theta"):
+    for step in _input_steps(root):
         if step < inputs_before:
-            shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
-    for step in steps_in(root / "batch", ".safetensors"):
-        if step < inputs_before:
-            for suffix in (".safetensors", ".json"):
-                batch_path(root, step).with_suffix(suffix).unlink(missing_ok=True)
+            _remove_inputs(root, step)
     for f in published_fires(root):
         if f < signs_before:
             shutil.rmtree(sign_dir(root, f), ignore_errors=True)
+
+
+def _input_steps(root: pathlib.Path) -> list[int]:
+    return sorted(set(steps_in(root / "theta")) | set(steps_in(root / "batch", ".safetensors")))
+
+
+def _remove_inputs(root: pathlib.Path, step: int) -> None:
+    """θ(step) of every stage and the batch it generated (shipped together, so removed together)."""
+    shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
+    for suffix in (".safetensors", ".json"):
+        batch_path(root, step).with_suffix(suffix).unlink(missing_ok=True)
 
 
 def write_state(root: pathlib.Path, fire: int, tensors: dict[str, torch.Tensor], keep: int = 2) -> None:
@@ -148,14 +155,10 @@ def rewind(root: pathlib.Path, fire: int, step: int, pin: bool = True) -> dict[s
         if shipped_at >= step:
             path.unlink(missing_ok=True)
             gone["requests"] += 1
-    for s in steps_in(root / "theta"):
+    for s in _input_steps(root):
         if s >= step:
-            shutil.rmtree(root / "theta" / f"step{s:08d}", ignore_errors=True)
+            _remove_inputs(root, s)
             gone["inputs"] += 1
-    for s in steps_in(root / "batch", ".safetensors"):
-        if s >= step:
-            for suffix in (".safetensors", ".json"):
-                batch_path(root, s).with_suffix(suffix).unlink(missing_ok=True)
     for f in published_fires(root):
         if f > fire:
             shutil.rmtree(sign_dir(root, f), ignore_errors=True)
