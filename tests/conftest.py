@@ -101,9 +101,12 @@ def eight(tiny_model, tmp_path_factory):
     return d
 
 
-# sync mode, the anchor on (c = K = 2), PRF boundaries, a checkpoint every 3 of 12 steps
+# sync mode, the anchor on (c = K = 2), PRF boundaries, a checkpoint every 3 of 12 steps; the drift
+# controller on, reading the probe at steps 1, 5 and 9 (β moves from steps 6 and 10), its dense-step
+# rate pinned at 0.4 (dense steps 3, 5, 8 and 10), so a resume must rebuild β and the accumulator
 ANCHORED = ("codec.name=prf", "anchor.enabled=true", "anchor.mode=sync", "anchor.every=2", "anchor.staleness=2",
-            "anchor.timeout=60", "train.steps=12", "train.save_every=3", "train.eval_every=100", "train.probe_every=0")
+            "anchor.timeout=60", "train.steps=12", "train.save_every=3", "train.eval_every=100", "train.probe_every=4",
+            "control.enabled=true", "control.dense_rate_min=0.4", "control.dense_rate_max=0.4")
 
 
 @pytest.fixture(scope="session")

@@ -59,24 +59,22 @@ def test_fresh_dense_sign_changes_nothing_bitwise(eight, tmp_path):
 @pytest.mark.parametrize("precision", ["zero1", "bf16"])
 def test_flat_partitions_get_the_same_bits(tiny_model, tmp_path, precision):
     """ZeRO-1 and bf16 step flat fp32 partitions: the sign bits must reach each parameter's slice of
-    them. With the fresh own-gradient sign (dense codec, c = 1, K = 0) every coordinate must agree and
-    the run must equal the same precision's run without the anchor (bitwise for ZeRO-1 in fp32; for
-    bf16 the anchor's fp32 signs can differ where the bf16 gradient rounds differently)."""
+    them. With the fresh own-gradient sign (dense codec, c = 1, K = 0) every coordinate must agree
+    (ZeRO-1 in fp32; for bf16 the anchor's fp32 signs can differ where the bf16 gradient rounds
+    differently). Agreement is counted inside the wrapped step, on each replica's own partition, so a
+    bit on the wrong slice shows as disagreement; an agreeing sign leaves AdamW bitwise unchanged
+    (test_anchor_math), and 4×2 against 4×1 under ZeRO-1 with the anchor is tests/test_faults.py's."""
     cfg = json.loads(TINY.read_text())
     cfg.update({"zero_optimization": {"stage": 1}} if precision == "zero1" else {"bf16": {"enabled": True}})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     # 2 stages × 2 data-parallel replicas: ZeRO-1 really partitions each stage's flat group across
     # its replicas, and every replica of a stage must get that stage's bits
-    if precision == "zero1":
-        launch(4, tmp_path / "plain", stages(2), config=path)
     launch(4, tmp_path / "anchor", stages(2), "anchor.enabled=true", "anchor.every=1", "anchor.staleness=0",
            "anchor.beta_m=0", config=path)
     r = rows(tmp_path / "anchor")
     if precision == "zero1":
-        ref, got = exported(tmp_path / "plain"), exported(tmp_path / "anchor")
         assert [x["anchor/sign_agreement"] for x in r] == [1.0] * 4
-        assert all(torch.equal(ref[n], got[n]) for n in ref)
     else:
         assert all(x["anchor/sign_agreement"] > 0.9 for x in r), [x["anchor/sign_agreement"] for x in r]
 
@@ -118,8 +116,10 @@ def test_anchor_killed_mid_run(tiny_model, tmp_path):
     the last restart resumes M and the bases from its state file and catches up; every step is
     logged and the run ends on its own. The bases the anchor refreshes travel with each sign and are
     adopted by both ends of every cut (a non-orthonormal or mismatched basis would stop the run).
-    Killing until step 16 makes the outage longer than the c steps of slack a fire's inputs give the
-    anchor (they are shipped K = c steps early), whatever this machine's speed."""
+    Killing for 2c steps after the first sign lands makes the outage longer than the c steps of slack
+    a fire's inputs give the anchor (they are shipped K = c steps early), whatever this machine's
+    speed; the window is counted from that landing because, on a loaded machine, the first sign
+    itself can land as late as step 15 (measured in clean CI)."""
     steps, c = 44, 4
     cmd, env = launch_cmd(8, tmp_path, "anchor.enabled=true", f"anchor.every={c}", f"anchor.staleness={c}",
                           "anchor.mode=async", "anchor.max_restarts=50", "codec.name=lowrank", "codec.keep=4",
@@ -132,7 +132,8 @@ def test_anchor_killed_mid_run(tiny_model, tmp_path):
             assert time.time() < deadline and proc.poll() is None, "the anchor never published fire 8"
             time.sleep(0.05)
         start = logged_steps(tmp_path)                       # the first sign is held from here on
-        while logged_steps(tmp_path) < 16:
+        until = start + 2 * c
+        while logged_steps(tmp_path) < until:
             pid = int((mailbox / "anchor.pid").read_text() or 0)   # 0 while the trainer rewrites it
             if pid and pid not in killed:
                 os.kill(pid, signal.SIGKILL)
@@ -151,7 +152,7 @@ def test_anchor_killed_mid_run(tiny_model, tmp_path):
     assert held and held[0] <= start + 1 and held == list(range(held[0], steps)), (start, held)
     ages = [x["anchor/age"] for x in r[held[0]:]]
     normal = c + c - 1                                       # the oldest a sign gets between fires
-    assert r[15]["anchor/age"] > normal, ages                # step 16: the outage aged the held sign
+    assert r[until - 1]["anchor/age"] > normal, (until, ages)   # the outage aged the held sign
     assert ages[-1] <= normal, ages                          # caught up after the restart
     assert r[-1]["anchor/restarts"] == len(killed)
     # the lowrank codec end to end: reference and policy through the same basis, a real gap, k/d bytes back

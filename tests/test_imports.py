@@ -1,6 +1,5 @@
 """The package's shape: no import cycle, every module imports alone, the math imports with torch alone."""
 import ast
-import concurrent.futures
 import os
 import pathlib
 import subprocess
@@ -100,10 +99,57 @@ def _import_alone(mods: str, blocked: list[str] = ()) -> tuple[str, int, str]:
     return mods, p.returncode, p.stderr[-1500:]
 
 
+# One interpreter loads the third-party packages once, then forks a child per module of ours: each
+# child starts with none of ds_twocircuit loaded, so an order-dependent import (a cycle that only
+# resolves when another module came first) fails there as it would in a fresh interpreter, at a
+# fraction of the cost of one interpreter (torch, deepspeed, transformers: ~7 s) per module.
+PRELOAD = "torch,deepspeed,datasets,transformers.models.qwen2.modeling_qwen2"
+_FORK_EACH = """
+import json, os, sys, traceback
+for pre in sys.argv[2].split(","):   # third-party: imports the same in any order
+    __import__(pre)
+assert not [m for m in sys.modules if m.startswith("ds_twocircuit")]
+failed = []
+for mod in json.loads(sys.argv[1]):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            __import__(mod)
+            code = 0
+        except BaseException:
+            os.write(w, traceback.format_exc()[-1500:].encode())
+            code = 1
+        os._exit(code)
+    os.close(w)
+    err = os.fdopen(r).read()
+    if os.waitpid(pid, 0)[1] != 0:
+        failed.append([mod, err])
+print(json.dumps(failed))
+"""
+
+
 def test_every_module_imports_alone():
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        failed = [r for r in pool.map(_import_alone, MODULES) if r[1] != 0]
+    import json
+    p = subprocess.run([sys.executable, "-c", _FORK_EACH, json.dumps(MODULES), PRELOAD], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    failed = json.loads(p.stdout.strip().splitlines()[-1])
     assert not failed, failed
+
+
+def test_the_fork_check_catches_an_order_dependent_import(tmp_path):
+    """Two modules that import each other's names at the top: importing one first fails in a fresh
+    interpreter; the forked check must report it (else the test above proves nothing)."""
+    import json
+    (tmp_path / "cyc_a.py").write_text("from cyc_b import B\nA = 1\n")
+    (tmp_path / "cyc_b.py").write_text("from cyc_a import A\nB = 2\n")
+    p = subprocess.run([sys.executable, "-c", _FORK_EACH, json.dumps(["cyc_a", "json"]), "json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    failed = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [f[0] for f in failed] == ["cyc_a"] and "ImportError" in failed[0][1], failed
 
 
 def test_math_imports_with_torch_alone():

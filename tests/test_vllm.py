@@ -85,8 +85,9 @@ def test_generation_layout_matches_the_hf_backend(engine, tiny_model):
 def test_pipeline_and_vllm_agree_every_step(tiny_model, tmp_path):
     """8 stages, vLLM generating every step and taking the weights after every optimizer step (one
     engine for the whole run): at every step's codec-off probe the pipeline's dense log-probs of the
-    sampled tokens equal vLLM's (mean |Δ log p| ≤ 1e-5 per token, fp32). The same run again gives
-    the same rows; a bf16 sampler gives a gap the probe reports."""
+    sampled tokens equal vLLM's (mean |Δ log p| ≤ 1e-5 per token, fp32); a bf16 sampler gives a gap
+    the probe reports. (That the same seed and weights give the same samples, also after a reload,
+    is the engine test's above: a launch each, of about 2 minutes here, is kept for what needs one.)"""
     common = ("sampler.backend=vllm", "train.probe_every=1", "train.steps=4", "train.save_every=0")
     launch(8, tmp_path / "a", *common)
     r = rows(tmp_path / "a")
@@ -94,9 +95,6 @@ def test_pipeline_and_vllm_agree_every_step(tiny_model, tmp_path):
     gap = [x["probe/rollout_corr/logp_diff_mean"] for x in r]
     assert all(g <= 1e-5 for g in gap), gap
     assert all(x["sync/sampler_bytes"] > 0 for x in r)
-    launch(8, tmp_path / "b", *common)
-    timing = lambda x: {k: v for k, v in x.items() if not k.startswith("timing/")}
-    assert [timing(x) for x in rows(tmp_path / "b")] == [timing(x) for x in r]
     launch(8, tmp_path / "bf16", *common, "sampler.dtype=bfloat16")
     bf16 = [x["probe/rollout_corr/logp_diff_mean"] for x in rows(tmp_path / "bf16")]
     assert min(bf16) > 100 * max(gap), bf16
