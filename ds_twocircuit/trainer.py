@@ -48,7 +48,7 @@ from .grads import GradientComparison, GradientViews
 from .guard import FiniteGuard, Verdict
 from .grpo.advantages import group_advantages
 from .grpo.loss import LossCoefs, k3_kl
-from .grpo.rollouts import Rollout, minibatch_shards
+from .grpo.rollouts import Rollout, minibatch_shards, response_lengths
 from .logger import RunLogger
 from .metrics import MISMATCH_SUMS, Trend, mismatch_sums
 from .model.weights import export_pipeline
@@ -70,6 +70,7 @@ class Trainer:
         self.base = [q.detach().clone() for q in self.p.pipe.parameters()]   # reference policy and θ_0
         self.rank0 = dist.get_rank() == 0
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_id = tokenizer.eos_token_id
         self.task = build_task(self.tc.data, tokenizer)
         self.coefs = LossCoefs.from_config(self.tc.grpo)   # β moves with the drift controller
         self.wire = WireCounter(self.p.stage)
@@ -175,6 +176,8 @@ class Trainer:
         if self.rank0:
             self.logger.close()
             self.sampler.close()
+            if hasattr(self.task.reward, "close"):   # math-verify's helper process
+                self.task.reward.close()
 
     def step(self, t: int) -> tuple[dict, Verdict]:
         """Step t on every rank; → (its metrics row on rank 0, empty elsewhere; whether its optimizer
@@ -206,7 +209,7 @@ class Trainer:
         compared = probe is not None and probe.grads is not None
         return {"step": t + 1, **telemetry.finish(sums, self.p.num_stages, probe is not None, compared),
                 "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
-                "response_length/mean": float(rollout.resp_NT1.sum(1).mean()),
+                **response_lengths(rollout, self.eos_id, self.tc.grpo.max_new_tokens),
                 "actor/grad_norm": grad_norm, "actor/lr": self.p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "train/skipped_step": float(verdict.skipped),

@@ -70,3 +70,81 @@ def test_prompts_over_max_prompt_len_are_left_out_and_counted(tmp_path):
     assert synthetic.left_out == {"train": 0, "held_out": 0} and len(synthetic.train) == 10000 - 16
     with pytest.raises(ValueError, match="max_prompt_len"):
         build_task(data_cfg(dataset=str(f), max_prompt_len=1), tok)
+
+
+# ---- math-verify under hostile output, bounded where the trainer calls it ------------------------
+HOSTILE = {
+    "huge number": "\\boxed{" + "9" * 200_000 + "}",
+    "tower": "\\boxed{10^{10^{10^{10^{10}}}}}",
+    "nested braces": "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}",
+    "1 MB response": "x" * (1 << 20) + " \\boxed{1}",
+    "unicode": "答案是 \\boxed{½} ∞ 𝔘 \u202e\x00",
+    "malformed": "\\boxed{\\frac{1}{\\sqrt{}}} \\left( \\begin{matrix} \\end{pmatrix} \\boxed{",
+    "only closers": "}" * 100_000,
+}
+
+
+def test_verifier_scores_answer_forms():
+    from ds_twocircuit.data.math_verifier import MathVerifier
+    v = MathVerifier(timeout_s=5)
+    try:
+        assert v("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+        assert v("\\boxed{(1, 3]}", "(1,3]") == 1.0
+        assert v("\\boxed{2x+2}", "2(x+1)") == 1.0
+        assert v("\\boxed{-7}", "-7") == 1.0
+        assert v("\\boxed{3}", "4") == 0.0 and v("no answer", "4") == 0.0
+    finally:
+        v.close()
+
+
+def test_verifier_is_bounded_and_never_raises_in_any_thread():
+    """Each hostile response scores 0 or 1 within the limit plus a helper restart, from the main
+    thread and from a worker thread (where math-verify's own signal timeouts cannot work); a helper
+    killed from outside is replaced on the next answer."""
+    import concurrent.futures
+    import time
+
+    from ds_twocircuit.data.math_verifier import MathVerifier
+    limit = 2.0
+    v = MathVerifier(timeout_s=limit)
+    try:
+        v("\\boxed{1}", "1")                                   # the helper's start is not timed
+
+        def timed(text):
+            t0 = time.monotonic()
+            score = v(text, "1")
+            return score, time.monotonic() - t0
+
+        for name, text in HOSTILE.items():
+            for run in (timed, lambda t: concurrent.futures.ThreadPoolExecutor(1).submit(timed, t).result()):
+                score, took = run(text)
+                # a miss also waits for the replacement helper (math-verify's import: a few s here)
+                assert score in (0.0, 1.0) and took < limit + 15, (name, score, took)
+        assert v(HOSTILE["1 MB response"], "1") == 1.0         # cut to its last \boxed, still scored
+        v._proc.kill()
+        assert v("\\boxed{1}", "1") == 1.0
+    finally:
+        v.close()
+
+
+def test_the_hard_limit_holds_alone():
+    """math-verify's own timeouts off: 900 nested braces (20 s of parsing here) are cut at the limit,
+    the helper is replaced, and the next answer is scored."""
+    import time
+
+    from ds_twocircuit.data.math_verifier import MathVerifier
+    v = MathVerifier(timeout_s=1, own_timeouts=False)
+    try:
+        assert v("\\boxed{1}", "1") == 1.0
+        t0 = time.monotonic()
+        assert v("\\boxed{" + "{" * 900 + "1" + "}" * 900 + "}", "1") == 0.0
+        assert time.monotonic() - t0 < 1 + 5 and v.timeouts == 1
+        assert v("\\boxed{2}", "2") == 1.0
+    finally:
+        v.close()
+
+
+def test_clip_response_keeps_the_last_boxed():
+    from ds_twocircuit.data.math_verifier import clip_response
+    assert clip_response("a \\boxed{1} b \\boxed{22} c", 9) == "\\boxed{22"
+    assert clip_response("x" * 50, 10) == "x" * 10

@@ -1,6 +1,7 @@
 """The GRPO loss against closed-form cases, and its token-mean invariance to splitting."""
 import math
 
+import pytest
 import torch
 
 from ds_twocircuit.grpo.advantages import group_advantages
@@ -85,3 +86,16 @@ def test_token_logprobs_temperature():
     ref = torch.log_softmax(logits / 0.5, -1).gather(-1, tgt[..., None])[..., 0]
     torch.testing.assert_close(lp, ref)
     assert (ent >= 0).all()
+
+
+def test_response_lengths_tell_clipped_from_complete():
+    """Three responses in target coordinates, max_new_tokens = 3, eos = 9: one ends in eos early,
+    one ends in eos on its last allowed token (complete, though verl would count it), one uses all
+    three tokens without eos (clipped)."""
+    from ds_twocircuit.grpo.rollouts import Rollout, response_lengths
+    ids = torch.tensor([[5, 1, 9, 0, 0], [5, 1, 2, 9, 0], [5, 1, 2, 3, 0]])
+    resp = torch.tensor([[1., 1., 0., 0.], [1., 1., 1., 0.], [1., 1., 1., 0.]])
+    z = torch.zeros(3)
+    got = response_lengths(Rollout(ids, (ids > 0).long(), resp, resp * 0, z, z, torch.arange(3)), 9, 3)
+    assert got == pytest.approx({"response_length/mean": 8 / 3, "response_length/max": 3.0, "response_length/min": 2.0,
+                                 "response_length/clip_ratio": 1 / 3})

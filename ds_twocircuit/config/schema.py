@@ -61,6 +61,8 @@ class DataConfig:
     problem_key: str = opt("problem", "column of the problem text")
     answer_key: str = opt("answer", "column of the reference answer (MATH's `solution` is reduced to its last \\boxed{})")
     max_prompt_len: int = opt(1024, "rows whose prompt is longer (tokens) are left out of training and evaluation")
+    verify_timeout: float = opt(5.0, "seconds math-verify may take per answer; past it the answer scores 0 and "
+                                "its helper process is restarted", lo=1)
 
 
 @dataclass

@@ -7,7 +7,8 @@ from datasets import Dataset
 
 from .math_rows import load_math_rows, math_prompt
 from .synthetic import synthetic_splits
-from .verify import exact_integer, math_answer
+from .math_verifier import MathVerifier
+from .verify import exact_integer
 
 
 @dataclass
@@ -22,7 +23,8 @@ class Task:
 def build_task(data_cfg, tokenizer) -> Task:
     """The synthetic task, or MATH-style rows from `data.dataset` with the boxed template. Rows whose
     prompt is longer than `data.max_prompt_len` tokens of `tokenizer` are left out of both splits
-    (as verl's `filter_overlong_prompts`), before the held-out set is cut to `data.eval_size`."""
+    (as verl's `filter_overlong_prompts`), before the held-out set is cut to `data.eval_size`.
+    MATH-style rows are scored by math-verify in a helper process, `data.verify_timeout` per answer."""
     if data_cfg.dataset == "synthetic":
         train, held = synthetic_splits(data_cfg.eval_size)
         prompt, reward = (lambda p: p), exact_integer
@@ -30,7 +32,7 @@ def build_task(data_cfg, tokenizer) -> Task:
         train = load_math_rows(data_cfg.dataset, data_cfg.split, data_cfg.problem_key, data_cfg.answer_key)
         held = load_math_rows(data_cfg.eval_dataset or data_cfg.dataset, data_cfg.eval_split,
                               data_cfg.problem_key, data_cfg.answer_key)
-        prompt, reward = math_prompt, math_answer
+        prompt, reward = math_prompt, MathVerifier(data_cfg.verify_timeout)
     train, n_train = within_length(train, prompt, tokenizer, data_cfg.max_prompt_len)
     held, n_held = within_length(held, prompt, tokenizer, data_cfg.max_prompt_len)
     if not len(train):

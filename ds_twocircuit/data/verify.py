@@ -3,7 +3,9 @@
 - `exact_integer`: the synthetic task; the response (up to end-of-sequence) must be exactly the
   integer, nothing else.
 - `math_answer`: `math-verify` on the response's last `\\boxed{}` against the reference answer,
-  with its own parse and verify time limits (signal based: call from the main thread).
+  with its own parse and verify time limits (signal based: they work in a main thread only, and
+  not inside one long C call; the trainer calls it through math_verifier.MathVerifier, whose
+  helper process gives the hard limit).
 """
 import re
 
@@ -17,7 +19,8 @@ def exact_integer(response: str, answer: str) -> float:
     return float(int(text) == int(answer))
 
 
-def math_answer(response: str, answer: str, timeout_s: int = 5) -> float:
+def math_answer(response: str, answer: str, timeout_s: int | None = 5) -> float:
+    """`timeout_s`: math-verify's own limit on parse and on verify, whole seconds; None: off."""
     from math_verify import parse, verify
     try:
         gold = parse(f"${answer}$" if "\\boxed" not in answer else answer, parsing_timeout=timeout_s)
