@@ -94,6 +94,16 @@ def stages(n_stages: int, n_layers: int = 8) -> str:
 
 
 @pytest.fixture(scope="session")
+def fixtures(tmp_path_factory) -> dict:
+    """launch/make_fixtures.py's stand-ins for a user's model and data: a random-init Qwen2.5-layout
+    model with a byte-level BPE tokenizer and chat template, MATH-style rows (about 15 s)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "launch"))
+    from make_fixtures import make_fixtures
+    return make_fixtures(tmp_path_factory.mktemp("fixtures"))
+
+
+@pytest.fixture(scope="session")
 def eight(tiny_model, tmp_path_factory):
     """The reference run: 8 stages, dense, 4 GRPO steps of the tiny config."""
     d = tmp_path_factory.mktemp("eight")

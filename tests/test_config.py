@@ -36,6 +36,7 @@ def write(tmp_path, mutate):
     (lambda c: None, ["anchor.staleness=-1"], "anchor.staleness"),
     (lambda c: c.update(fp16={"enabled": True}), ["anchor.enabled=true"], "fp16.enabled"),
     (lambda c: None, ["data.max_prompt_len=0"], "data.max_prompt_len"),
+    (lambda c: None, ["data.chat_template=true"], "data.chat_template=true but the embedded model"),
     (lambda c: None, ["sampler.backend=sglang"], "sampler.backend"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),
@@ -45,6 +46,7 @@ def write(tmp_path, mutate):
     (lambda c: None, ["model.path=nobody/no-such-model"], "hf download nobody/no-such-model"),   # no network wait
     (lambda c: None, ["grpo.temperature=nan"], "grpo.temperature=nan: must be a finite number"),
     (lambda c: None, ["codec.keep=-3"], "codec.keep=-3: must be >= 0"),           # ranges from schema.opt's lo
+    (lambda c: None, ["codec.keep_ratio=1e308"], "codec.keep_ratio=1e+308: must be in (0, 1]"),   # found by the fuzz
     (lambda c: None, ["grpo.max_new_tokens=0"], "grpo.max_new_tokens=0: must be >= 1"),
     (lambda c: None, ["model.layers_per_stage={a: 1}"], "model.layers_per_stage"),
     (lambda c: c.update(train_micro_batch_size_per_gpu=[]), [], "train_micro_batch_size_per_gpu=[]"),

@@ -148,3 +148,55 @@ def test_clip_response_keeps_the_last_boxed():
     from ds_twocircuit.data.math_verifier import clip_response
     assert clip_response("a \\boxed{1} b \\boxed{22} c", 9) == "\\boxed{22"
     assert clip_response("x" * 50, 10) == "x" * 10
+
+
+# ---- the user-path fixtures (launch/make_fixtures.py) and the chat template -------------------------
+def test_fixture_rows_cover_the_answer_forms_and_verify_against_themselves(fixtures):
+    from ds_twocircuit.data.math_verifier import MathVerifier
+    train = [json.loads(l) for l in fixtures["train"].read_text().splitlines()]
+    test = [json.loads(l) for l in fixtures["test"].read_text().splitlines()]
+    assert len(train) == 320 and len(test) == 80 and not {r["problem"] for r in train} & {r["problem"] for r in test}
+    answers = [r["answer"] for r in train]
+    assert any("\\frac" in a for a in answers) and any("x^2" in a for a in answers) and any("\\sqrt" in a for a in answers)
+    assert any(a[0] in "([" and a[-1] in ")]" and "," in a for a in answers) and any(a.lstrip("-").isdigit() for a in answers)
+    v = MathVerifier(timeout_s=5)
+    try:
+        assert all(v(r["solution"], r["answer"]) == 1.0 for r in train[:60] + test[:30])
+        assert sum(v(a["solution"], b["answer"]) for a, b in zip(train[:60], train[1:61])) == 0.0
+    finally:
+        v.close()
+    as_parquet = load_math_rows(str(fixtures["train"].with_suffix(".parquet")), "train", "problem", "answer")
+    assert as_parquet[:] == load_math_rows(str(fixtures["train"]), "train", "problem", "answer")[:]
+
+
+def test_fixture_model_has_the_qwen25_layout_and_a_bpe_tokenizer(fixtures):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(fixtures["model"])
+    m = AutoModelForCausalLM.from_pretrained(fixtures["model"])
+    c = m.config
+    assert c.model_type == "qwen2" and c.tie_word_embeddings and c.num_hidden_layers == 8
+    assert c.num_key_value_heads < c.num_attention_heads and m.model.layers[0].self_attn.k_proj.bias is not None
+    assert c.vocab_size == len(tok) and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    text = "Solve $\\frac{1}{2} < x$: 答案 ½ \\boxed{(1, 3]}"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text and len(ids) < len(text.encode())      # byte-level BPE: merges, lossless
+
+
+def test_chat_template_wraps_prompts_and_counts_in_their_length(fixtures):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(fixtures["model"])
+    kw = dict(dataset=str(fixtures["train"]), eval_dataset=str(fixtures["test"]), eval_size=80)
+    plain = build_task(data_cfg(**kw), tok)
+    chat = build_task(data_cfg(**kw, chat_template=True, system_prompt="Be brief."), tok)
+    problem = plain.train["problem"][0]
+    text = chat.prompt(problem)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + math_prompt(problem) +
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3     # one token each, as the sampler encodes
+    assert build_task(data_cfg(**kw, chat_template=True), tok).prompt(problem).startswith("<|im_start|>user\n")
+    # the limit counts the template's tokens: a limit every plain prompt meets leaves chat ones out
+    longest = max(len(tok(plain.prompt(p), add_special_tokens=False)["input_ids"]) for p in plain.train["problem"])
+    short = build_task(data_cfg(**kw, chat_template=True, max_prompt_len=longest), tok)
+    assert build_task(data_cfg(**kw, max_prompt_len=longest), tok).left_out["train"] == 0
+    assert short.left_out["train"] > 0

@@ -99,3 +99,11 @@ def test_response_lengths_tell_clipped_from_complete():
     got = response_lengths(Rollout(ids, (ids > 0).long(), resp, resp * 0, z, z, torch.arange(3)), 9, 3)
     assert got == pytest.approx({"response_length/mean": 8 / 3, "response_length/max": 3.0, "response_length/min": 2.0,
                                  "response_length/clip_ratio": 1 / 3})
+
+
+def test_avg_at_k_closed_form():
+    """3 problems × 4 passes: pass accuracies 2/3, 1/3, 1/3, 0 → avg 1/3, population std √(1/18)."""
+    from ds_twocircuit.evaluation import avg_at_k
+    h = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
+    got = avg_at_k(h)
+    assert got == pytest.approx({"avg@k": 1 / 3, "spread": math.sqrt(1 / 18), "pass@k": 2 / 3})

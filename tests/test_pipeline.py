@@ -19,12 +19,16 @@ from conftest import ROOT, assert_same_weights, free_port, launch, rows, stages,
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("n_stages", [8, 3])
-def test_pipeline_logits_match_hf(tiny_model, tmp_path, n_stages):
+@pytest.mark.parametrize("n_stages, model", [(8, "tiny_model"), (3, "fixtures")])
+def test_pipeline_logits_match_hf(request, tmp_path, n_stages, model):
+    """The embedded model at 8 stages; at 3 (3/3/2 layers), the Qwen2.5-layout fixture: grouped-query
+    attention (4 query heads over 2 key-value heads), q/k/v biases, a byte-level BPE vocabulary."""
+    model_dir = request.getfixturevalue(model)
+    model_dir = str(model_dir["model"] if model == "fixtures" else model_dir)
     out = tmp_path / "logits.json"
     split = json.dumps([int(x) for x in stages(n_stages).split("=")[1].strip("[]").split(",")])
     p = subprocess.run(["deepspeed", "--num_gpus", str(n_stages), "--master_port", str(free_port()),
-                        "tests/dist_logits.py", tiny_model, split, str(out)],
+                        "tests/dist_logits.py", model_dir, split, str(out)],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -81,6 +81,19 @@ def test_generation_layout_matches_the_hf_backend(engine, tiny_model):
     assert len(greedy.texts) == len(PROMPTS)
 
 
+def test_seeded_batches_over_one_scheduler_step(engine):
+    """More prompt tokens than vLLM's CPU scheduler takes in one step (here 30 × 4 samples of 164
+    tokens against its budget): the adapter splits them into groups that fit, since vLLM 0.32 on
+    CPU fails a seeded request whose prefill is split ("CPU Generator does not use offset"); the
+    groups' outputs come back in order, each prompt's samples as asked."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert engine._groups([budget - 10, 20, 5, budget + 1, 1]) == [[0], [1, 2], [3], [4]]
+    gen = engine.generate([LONG] * 30, 4, max_new_tokens=2, temperature=TAU, seed=5)
+    assert gen.ids_NT.shape[0] == 120 and 30 * 4 * 164 > budget
+    alone = engine.generate([LONG], 4, max_new_tokens=2, temperature=TAU, seed=5)
+    assert torch.equal(gen.ids_NT[:4, :alone.ids_NT.shape[1]], alone.ids_NT)   # the first group's seeds
+
+
 @pytest.mark.dist
 def test_pipeline_and_vllm_agree_every_step(tiny_model, tmp_path):
     """8 stages, vLLM generating every step and taking the weights after every optimizer step (one

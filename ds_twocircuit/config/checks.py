@@ -36,6 +36,10 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
     if tc.data.max_prompt_len < 1:
         raise ConfigError(f"data.max_prompt_len={tc.data.max_prompt_len}: must be >= 1")
+    if tc.data.chat_template and not has_chat_template(tc.model):
+        raise ConfigError("data.chat_template=true but " + (f"model.path='{tc.model.path}' has no chat template "
+                          "(tokenizer_config.json 'chat_template' or chat_template.jinja)" if tc.model.path else
+                          "the embedded model's character tokenizer has none; set model.path"))
     for key in ("steps", "eval_every"):
         if getattr(tc.train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(tc.train, key)}: must be >= 1")
@@ -82,6 +86,8 @@ def check_sampler(s) -> None:
 def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     if c.name not in CODECS:
         raise ConfigError(f"codec.name='{c.name}': expected one of {list(CODECS)}")
+    if c.keep <= 0 and not 0 < c.keep_ratio <= 1:   # (also: round() of an overflowed product raises)
+        raise ConfigError(f"codec.keep_ratio={c.keep_ratio}: must be in (0, 1] (or set codec.keep)")
     k = keep_count(c.keep, c.keep_ratio, d)
     if not 1 <= k <= d:
         raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
@@ -173,6 +179,25 @@ def model_num_layers(model: ModelConfig) -> int:
 
 def model_hidden_size(model: ModelConfig) -> int:
     return model.tiny.hidden_size if not model.path else _hf_config_value(model, "hidden_size")
+
+
+def has_chat_template(model: ModelConfig) -> bool:
+    """Whether the model's tokenizer files carry a chat template (a hub name not in the local cache
+    counts as yes: the tokenizer load says what is missing)."""
+    if not model.path:
+        return False
+    d = pathlib.Path(model.path)
+    if d.is_dir():
+        cfg = d / "tokenizer_config.json"
+        return (d / "chat_template.jinja").is_file() or (cfg.is_file() and "chat_template" in json.loads(cfg.read_text()))
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        jinja, cfg = (try_to_load_from_cache(model.path, f) for f in ("chat_template.jinja", "tokenizer_config.json"))
+    except Exception:
+        return True
+    if isinstance(jinja, str):
+        return True
+    return not isinstance(cfg, str) or "chat_template" in json.loads(pathlib.Path(cfg).read_text())
 
 
 def _hf_config_value(model: ModelConfig, key: str) -> int:

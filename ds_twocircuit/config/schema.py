@@ -61,6 +61,9 @@ class DataConfig:
     problem_key: str = opt("problem", "column of the problem text")
     answer_key: str = opt("answer", "column of the reference answer (MATH's `solution` is reduced to its last \\boxed{})")
     max_prompt_len: int = opt(1024, "rows whose prompt is longer (tokens) are left out of training and evaluation")
+    chat_template: bool = opt(False, "wrap each prompt in the tokenizer's chat template as the user turn (with "
+                              "data.system_prompt as the system turn) and open the assistant turn")
+    system_prompt: str = opt("", "the system turn under data.chat_template; empty: no system turn")
     verify_timeout: float = opt(5.0, "seconds math-verify may take per answer; past it the answer scores 0 and "
                                 "its helper process is restarted", lo=1)
 

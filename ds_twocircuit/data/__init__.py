@@ -24,7 +24,8 @@ def build_task(data_cfg, tokenizer) -> Task:
     """The synthetic task, or MATH-style rows from `data.dataset` with the boxed template. Rows whose
     prompt is longer than `data.max_prompt_len` tokens of `tokenizer` are left out of both splits
     (as verl's `filter_overlong_prompts`), before the held-out set is cut to `data.eval_size`.
-    MATH-style rows are scored by math-verify in a helper process, `data.verify_timeout` per answer."""
+    MATH-style rows are scored by math-verify in a helper process, `data.verify_timeout` per answer;
+    `data.chat_template` wraps every prompt in the tokenizer's chat template (counted in its length)."""
     if data_cfg.dataset == "synthetic":
         train, held = synthetic_splits(data_cfg.eval_size)
         prompt, reward = (lambda p: p), exact_integer
@@ -33,6 +34,8 @@ def build_task(data_cfg, tokenizer) -> Task:
         held = load_math_rows(data_cfg.eval_dataset or data_cfg.dataset, data_cfg.eval_split,
                               data_cfg.problem_key, data_cfg.answer_key)
         prompt, reward = math_prompt, MathVerifier(data_cfg.verify_timeout)
+    if data_cfg.chat_template:
+        prompt = chat_prompt(tokenizer, prompt, data_cfg.system_prompt)
     train, n_train = within_length(train, prompt, tokenizer, data_cfg.max_prompt_len)
     held, n_held = within_length(held, prompt, tokenizer, data_cfg.max_prompt_len)
     if not len(train):
@@ -40,6 +43,14 @@ def build_task(data_cfg, tokenizer) -> Task:
     if len(held) > data_cfg.eval_size:
         held = held.select(range(data_cfg.eval_size))
     return Task(train, held, prompt, reward, left_out={"train": n_train, "held_out": n_held})
+
+
+def chat_prompt(tokenizer, inner: Callable[[str], str], system: str) -> Callable[[str], str]:
+    """problem → the chat-templated text: [system turn], the user turn `inner(problem)`, the
+    assistant turn opened. The sampler encodes it as is (its special tokens are in the text)."""
+    head = [{"role": "system", "content": system}] if system else []
+    return lambda p: tokenizer.apply_chat_template(head + [{"role": "user", "content": inner(p)}], tokenize=False,
+                                                   add_generation_prompt=True)
 
 
 def within_length(rows: Dataset, prompt: Callable[[str], str], tokenizer, max_len: int) -> tuple[Dataset, int]:

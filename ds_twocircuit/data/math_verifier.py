@@ -87,6 +87,7 @@ class MathVerifier:
         except (EOFError, OSError):   # it died starting: math-verify missing or broken
             ready = False
         if not ready:
+            self._proc.join(1)
             code = self._proc.exitcode
             self._stop()
             raise RuntimeError(f"the math-verify helper did not start (exit code {code}, "

@@ -63,7 +63,7 @@ class VLLMSampler:
             meta = AutoModelForCausalLM.from_config(config)
         self.shapes = {n: (p.shape, self.dtype) for n, p in meta.named_parameters()}
         self.seed = seed
-        cpu = current_platform.is_cpu()
+        cpu = self.cpu = current_platform.is_cpu()
         kwargs = {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2 ** 30)} if cpu else \
             {"gpu_memory_utilization": cfg.gpu_memory_utilization}   # GPU-only
         max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
@@ -96,9 +96,29 @@ class VLLMSampler:
                                     {"temperature": temperature, "top_k": 0, "top_p": 1.0,
                                      "seed": (base * 1_000_003 + i) % 2 ** 63}))
                   for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        outs = []
+        for group in self._groups([len(x) * n for x in ids]):
+            outs += self.llm.generate([{"prompt_token_ids": ids[i]} for i in group], [params[i] for i in group],
+                                      use_tqdm=False)
         rows = [(x, c) for x, o in zip(ids, outs) for c in o.outputs]
         return self._tensors(rows)
+
+    def _groups(self, tokens: list[int]) -> list[list[int]]:
+        """Consecutive prompt groups whose prefill fits one scheduler step, on CPU. vLLM 0.32's CPU
+        sampler fails on a seeded request whose prefill is split across steps ("CPU Generator does
+        not use offset", measured: 80 prompts x 8 samples of ~50 tokens against the 4096-token
+        budget); elsewhere, one group. A prompt whose n samples alone exceed the budget stays alone."""
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens if self.cpu else None
+        if budget is None:
+            return [list(range(len(tokens)))]
+        groups, used = [[]], 0
+        for i, t in enumerate(tokens):
+            if groups[-1] and used + t > budget:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += t
+        return groups
 
     def _tensors(self, rows: list) -> Generation:
         """(prompt ids, vLLM CompletionOutput) per row → the padded Generation."""
