@@ -111,7 +111,8 @@ def test_crashes_then_resume_continue_the_uninterrupted_trajectory(anchored, tmp
     that last reached that step), its held-out evaluations and its weights must equal the
     uninterrupted run's bit for bit (this is also the plain resume test: every random draw is
     keyed by the step), and no step may wait for the anchor longer than the uninterrupted run's
-    longest wait (its first fire, which waits for the anchor process to start) and a margin."""
+    longest wait (its first fire, which waits for the anchor process to start) and a margin: 5 s,
+    or 15 s for a launch's first wait, which starts an anchor too."""
     ref = anchored
     run, mailbox = tmp_path / "crashed", tmp_path / "crashed" / "anchor"
     cmd, env = launch_cmd(8, run, *ANCHORED)
@@ -136,7 +137,15 @@ def test_crashes_then_resume_continue_the_uninterrupted_trajectory(anchored, tmp
     want, got = rows(ref), rows(run)
     assert [x["step"] for x in got] == list(range(1, 13))
     assert_resumed_rows(want, got, restarts={4, 7, 10}, volatile=VOLATILE)
-    assert max(x["anchor/wait"] for x in got) <= max(x["anchor/wait"] for x in want) + 5.0, delays
+    # each launch's first wait starts its anchor process, as the uninterrupted run's step 1 does; a
+    # resumed one also replays the held fire while 8 ranks start beside it (clean CI, loaded: 11.5 and
+    # 12.7 s against step 1's 6.5 s); a fire lost to the crash would wait anchor.timeout = 60 s
+    start_up = max(x["anchor/wait"] for x in want)
+    waits = {x["step"]: x["anchor/wait"] for x in got}
+    launches = [range(1, 4), range(4, 7), range(7, 10), range(10, 13)]   # the steps each launch wrote
+    first = {max(steps, key=waits.get) for steps in launches}            # its start-up wait
+    assert all(waits[s] <= start_up + 15.0 for s in first), (waits, delays)
+    assert all(w <= start_up + 5.0 for s, w in waits.items() if s not in first), (waits, delays)
     assert rows(ref, "eval.jsonl") == rows(run, "eval.jsonl")
     wa, wb = weights(ref), weights(run)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
