@@ -52,8 +52,8 @@ def initial_bases(p, batch: Rollout) -> None:
 
 
 def calibration_batch(tokenizer, task, micro: int) -> Rollout:
-    """Teacher-forced training rows (prompt + answer), left-padded, the same on every rank: about 64
-    sequences, a whole number of micro-batches."""
+    """Teacher-forced training rows (prompt + answer), left-padded: about 64 sequences, a whole
+    number of micro-batches (built where the task lives, rank 0; the trainer broadcasts it)."""
     n = micro * max(1, 64 // micro)
     rows = task.train.select(range(n))
     enc = tokenizer([task.prompt(p) + a for p, a in zip(rows["problem"], rows["answer"])], return_tensors="pt",

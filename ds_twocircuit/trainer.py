@@ -38,7 +38,7 @@ from .anchor.correction import SignCorrection
 from .anchor.link import AnchorLink
 from .calibration import calibration_batch, initial_bases
 from .checkpoint import point_latest, seal
-from .comm import broadcast_tensors, gather_stage_weights
+from .comm import broadcast_tensors
 from .config import RunConfig, as_dict, write_run_config
 from .control import DriftController
 from .data import build_task, step_rows
@@ -54,6 +54,7 @@ from .metrics import MISMATCH_SUMS, Trend, mismatch_sums
 from .model.weights import export_pipeline
 from .sampler import build_sampler
 from .sampler.hf import greedy_accuracy
+from .weight_sync import WeightSync, dump_for_tests
 from .wire import WireCounter
 
 
@@ -71,14 +72,15 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_id = tokenizer.eos_token_id
-        self.task = build_task(self.tc.data, tokenizer)
+        self.task = build_task(self.tc.data, tokenizer) if self.rank0 else None   # the sampler's rank's
         self.coefs = LossCoefs.from_config(self.tc.grpo)   # β moves with the drift controller
         self.wire = WireCounter(self.p.stage)
         self.compare, self.correction = self._gradient_hooks()
         self.guard = FiniteGuard(self.p.engine, self.p.pipe, self.p.loss, own_skip=self.p.per_param_grads)
         self.sign = None      # HF name → sign bits of the anchor fire held, None before the first
         if self.tc.codec.name == "lowrank":
-            initial_bases(self.p, calibration_batch(tokenizer, self.task, self.p.micro))
+            calib = calibration_batch(tokenizer, self.task, self.p.micro).tensors() if self.rank0 else None
+            initial_bases(self.p, Rollout.from_tensors(broadcast_tensors(calib, len(Rollout.__dataclass_fields__))))
         self.start, held_fire = self._load_checkpoint() if resume else (0, None)
         self.control, control_error = None, ""   # the controller lives on rank 0; the others follow its broadcasts
         if self.rank0:
@@ -97,6 +99,8 @@ class Trainer:
                 self.sign = restored.bits
                 if restored.bases:
                     self.p.codec.set_bases(restored.bases)
+        self.weight_sync = WeightSync(self.p.engine.grid, self.p.pipe, getattr(torch, self.tc.sampler.dtype),
+                                      self.shapes if self.rank0 else None)
         self.theta, _ = self.sync_sampler(self.start)   # the sampler starts from the pipeline's weights
 
     def _start_rank0(self, run: RunConfig, resume: bool) -> str:
@@ -174,6 +178,7 @@ class Trainer:
         if self.anchor:
             self.anchor.close()
         if self.rank0:
+            dump_for_tests(self.weight_sync.mirror, self.sampler)
             self.logger.close()
             self.sampler.close()
             if hasattr(self.task.reward, "close"):   # math-verify's helper process
@@ -336,16 +341,16 @@ class Trainer:
 
     # ---- sampler sync, evaluation, checkpoints ----------------------------------------------
     def sync_sampler(self, next_step: int) -> tuple[dict | None, dict]:
-        """The stages' dense weights to the sampler (rank 0); → (those weights when the anchor ships
-        them at `next_step`, else None; the sync's metrics: bytes gathered to rank 0, bytes the
-        sampler took in and the seconds it took)."""
-        named, nbytes = gather_stage_weights(self.p.engine.grid, self.p.pipe, self.shapes if self.rank0 else None)
+        """The stages' weights to the sampler as deltas in its dtype (weight_sync.py); → (those weights,
+        every tensor, when the anchor ships θ at `next_step`, else None; the sync's metrics: wire
+        bytes and the changed fraction, the bytes the sampler took in and the seconds it took)."""
+        changed, row = self.weight_sync()
         if not self.rank0:
             return None, {}
         t0 = time.perf_counter()
-        loaded = self.sampler.load_weights(named)
-        row = {"sync/bytes": nbytes, "sync/sampler_bytes": loaded, "timing/sampler_load": time.perf_counter() - t0}
-        return (dict(named) if self.anchor and self.anchor.ships_at(next_step) else None), row
+        row["sync/sampler_bytes"] = self.sampler.load_weights(self.weight_sync.mirror, changed)
+        row["timing/sampler_load"] = time.perf_counter() - t0
+        return (dict(self.weight_sync.mirror) if self.anchor and self.anchor.ships_at(next_step) else None), row
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy with the sampler's dense weights (rank 0)."""

@@ -9,7 +9,10 @@ inside its namespace (torch.distributed env:// rendezvous over the bridge). One 
 phase: the ranks stop at a handshake before each (codec, rate) phase while this process re-shapes the
 links. It prints, side by side: step time per run, bytes per boundary per step (from the p2p wire
 accounting and from the interfaces' own counters), the dense/prf ratio at each rate and each run's
-ratio to its own unshaped time. `--scaling` sweeps tokens per step at one rate instead.
+ratio to its own unshaped time. `--scaling` sweeps tokens per step at one rate instead;
+`--overlap` sweeps the number of micro-batches per step at a fixed batch (`--micro-batches`, with
+`--p2p isend` beside DeepSpeed's blocking sends) and prints, per codec and micro-batch count, the
+fitted transfers on the critical path β against a flow shop's (M + S − 2)/M.
 Each compressed codec (`--codecs`: prf, the 5 % PRF of prf95.json; rotated, the rotated low-bit code
 at `--fwd-bits/--bwd-coords/--bwd-bits`) gets its own launch with its own dense phases beside it, so
 every ratio compares two phases of one launch on the same links.
@@ -51,6 +54,7 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)
     init_distributed()
+    flush = nonblocking_sends() if a.p2p[0] == "isend" else (lambda: None)
     phases = json.loads(a.phases)
     tc = TwoCircuitConfig()
     tc.model.layers_per_stage = [a.layers_per_stage] * a.stages
@@ -77,6 +81,7 @@ def worker(a) -> None:
                 t0 = time.perf_counter()
                 passes.logprobs(p, batch, base)           # the reference pass, as in every GRPO step
                 passes.update(p, batch, batch.num_response_tokens, z, z, LossCoefs(), old_is_current=True)
+                flush()
                 dist.barrier()
             if s >= a.warmup:
                 times.append(time.perf_counter() - t0)
@@ -88,6 +93,28 @@ def worker(a) -> None:
             tmp = ctl / f".result_{i}.json.tmp"   # renamed into place: the controller polls for the name
             tmp.write_text(json.dumps({"phase": ph, "step_s": times, "per_stage": v.tolist()}))
             os.replace(tmp, ctl / f"result_{i}.json")
+
+
+def nonblocking_sends():
+    """The `--p2p isend` experiment: DeepSpeed's pipeline sends (p2p.send, a blocking dist.send)
+    become dist.isend, so a stage computes its next micro-batch while its last one is still on the
+    wire. Every send DeepSpeed makes hands over a tensor it does not write again (a stage's fresh
+    outputs, an input's fresh .grad, shape metadata), so keeping a reference until the send
+    completes is enough. → flush(): wait for every send in flight (called after each step's passes)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe import p2p
+    pending = []
+
+    def send(tensor, dest_stage, async_op=False):
+        pending.append((dist.isend(tensor, p2p._grid.stage_to_global(stage_id=dest_stage)), tensor))
+
+    def flush():
+        for work, _ in pending:
+            work.wait()
+        pending.clear()
+
+    p2p.send = send
+    return flush
 
 
 def synthetic_rollout(n: int, seq: int, vocab: int):
@@ -122,14 +149,25 @@ def build_model(a) -> str:
 
 
 def run_launches(a, phases: list[dict]) -> list[dict]:
-    """One launch per compressed codec, running its phases and the dense ones, in the given order."""
-    compressed = list(dict.fromkeys(ph["codec"] for ph in phases if ph["codec"] != "dense")) or ["prf"]
+    """One launch per compressed codec, micro-batch count and p2p mode, running its phases and the
+    dense ones of the same count and mode, in the given order."""
+    keys = list(dict.fromkeys((ph["codec"], ph.get("m", a.gas), ph.get("p2p", "deepspeed")) for ph in phases
+                              if ph["codec"] != "dense")) or [("prf", a.gas, "deepspeed")]
     results = []
-    for codec in compressed:
-        print(f"launch: dense and {codec}", flush=True)
-        mine = [ph for ph in phases if ph["codec"] in ("dense", codec)]
-        results += [{**r, "launch": codec} for r in run_phases(a, codec, mine)]
+    for codec, m, mode in keys:
+        print(f"launch: dense and {codec}, {m} micro-batches, {mode} sends", flush=True)
+        mine = [ph for ph in phases if ph["codec"] in ("dense", codec) and ph.get("m", a.gas) == m
+                and ph.get("p2p", "deepspeed") == mode]
+        results += [{**r, "launch": codec} for r in run_phases(micro_batches(a, m, mode), codec, mine)]
     return results
+
+
+def micro_batches(a, m: int, mode: str):
+    """`a` for a launch of m micro-batches per step at the same sequences per step, with `mode` sends."""
+    seqs = a.micro * a.gas
+    if seqs % m:
+        raise SystemExit(f"--micro-batches {m} does not divide {seqs} sequences per step (--micro x --gas)")
+    return argparse.Namespace(**{**vars(a), "micro": seqs // m, "gas": m, "p2p": mode})
 
 
 def run_phases(a, codec: str, phases: list[dict]) -> list[dict]:
@@ -184,7 +222,7 @@ def worker_args(a) -> list[str]:
     return ["--stages", str(a.stages), "--layers-per-stage", str(a.layers_per_stage), "--micro", str(a.micro),
             "--gas", str(a.gas), "--keep-ratio", str(a.keep_ratio), "--steps", str(a.steps), "--warmup",
             str(a.warmup), "--phase-timeout", str(a.phase_timeout), "--fwd-coords", str(a.fwd_coords), "--fwd-bits",
-            str(a.fwd_bits), "--bwd-coords", str(a.bwd_coords), "--bwd-bits", str(a.bwd_bits)]
+            str(a.fwd_bits), "--bwd-coords", str(a.bwd_coords), "--bwd-bits", str(a.bwd_bits), "--p2p", a.p2p]
 
 
 def median(xs: list[float]) -> float:
@@ -214,6 +252,26 @@ def report(results: list[dict], stages: int) -> str:
                          f"{boundary_mb(r, stages)} | {boundary_mb(p, stages)} |")
         lines.append("")
     return "\n".join(lines).strip()
+
+
+def overlap_report(results: list[dict], stages: int) -> str:
+    """Per codec, micro-batch count M and p2p mode: T0 (unshaped s/step), the fitted β of
+    T = T0 + β·B/r, and a flow shop's transfer-bound (M + S − 2)/M: each pass's M micro-batches
+    cross S − 1 links in a chain, so a link-bound step carries M transfers on its busiest link plus
+    S − 2 on the way in and out."""
+    lines = ["| codec | p2p | micro-batches M | T0 s/step | " + " | ".join(
+        f"{r} s/step" for r in dict.fromkeys(x["phase"]["rate"] for x in results if x["phase"]["rate"] != "unshaped"))
+        + " | fitted β | (M+S−2)/M |"]
+    lines.append("|" + "---|" * (lines[0].count("|") - 1))
+    keys = dict.fromkeys((r["phase"]["codec"], r["phase"].get("p2p", "deepspeed"), r["phase"].get("m")) for r in results)
+    for codec, mode, m in keys:
+        rows = [r for r in results if (r["phase"]["codec"], r["phase"].get("p2p", "deepspeed"), r["phase"].get("m"))
+                == (codec, mode, m)]
+        fit = fit_link_model(rows, stages)
+        beta, t0 = next(iter(fit.values()))["beta"], next(iter(fit.values()))["t0"]
+        shaped = " | ".join(f"{median(r['step_s']):.2f}" for r in rows if r["phase"]["rate"] != "unshaped")
+        lines.append(f"| {codec} | {mode} | {m} | {t0:.2f} | {shaped} | {beta:.2f} | {(m + stages - 2) / m:.2f} |")
+    return "\n".join(lines)
 
 
 def cut_bytes(r: dict, stages: int) -> tuple[float, float]:
@@ -286,6 +344,10 @@ def parse(argv=None):
     ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--scaling", nargs="*", type=int, default=None, help="sequence lengths to sweep at --scaling-rate")
     ap.add_argument("--scaling-rate", default="10mbit")
+    ap.add_argument("--overlap", action="store_true", help="sweep --micro-batches (and --p2p) at a fixed batch")
+    ap.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8, 16])
+    ap.add_argument("--p2p", nargs="+", default=["deepspeed"], choices=["deepspeed", "isend"],
+                    help="pipeline sends: DeepSpeed's blocking ones, or the isend experiment")
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--layers-per-stage", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=1536)
@@ -321,18 +383,21 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind through the cleanup on kill
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     a.bwd_coords = a.hidden * 5 // 8 if a.bwd_coords is None else a.bwd_coords
-    if a.scaling:
+    if a.overlap:
+        phases = [{"codec": c, "rate": r, "seq": a.seq, "m": m, "p2p": mode} for mode in a.p2p
+                  for m in a.micro_batches for r in a.rates for c in a.codecs]
+    elif a.scaling:
         phases = [{"codec": c, "rate": r, "seq": s} for s in a.scaling for r in ("unshaped", a.scaling_rate)
                   for c in a.codecs]
     else:
         phases = [{"codec": c, "rate": r, "seq": a.seq} for r in a.rates for c in a.codecs]
     t0 = time.time()
     results = run_launches(a, phases)
-    table = report(results, a.stages)
+    table = overlap_report(results, a.stages) if a.overlap else report(results, a.stages)
     (pathlib.Path(a.out) / "results.json").write_text(json.dumps(results, indent=1))
     (pathlib.Path(a.out) / "table.md").write_text(table + "\n")
     print(table)
-    if not a.scaling:
+    if not (a.scaling or a.overlap):
         print_projection(a)
     seqs = "/".join(map(str, a.scaling)) if a.scaling else str(a.seq)
     print(f"({len(phases)} phases in {time.time() - t0:.0f} s; hidden {a.hidden}, {a.stages} stages, "

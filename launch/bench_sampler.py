@@ -71,7 +71,7 @@ def run(backend: str, path: str, setting: dict, steps: int) -> dict:
         t0 = time.perf_counter()
         g = s.generate(batch, setting["group"], max_new_tokens=setting["new_tokens"], temperature=1.0, seed=step)
         t1 = time.perf_counter()
-        new = [(n, weights[n] + 1e-3 * step) for n in names]
+        new = {n: weights[n] + 1e-3 * step for n in names}
         t2 = time.perf_counter()
         nbytes = s.load_weights(new)
         t3 = time.perf_counter()

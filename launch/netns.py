@@ -11,7 +11,6 @@ import subprocess
 SUBNET = "10.231.137"
 
 
-SUBNET = "10.231.137"
 def sh(*cmd: str, check: bool = True) -> str:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     if check and p.returncode != 0:

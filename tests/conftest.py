@@ -87,6 +87,12 @@ def assert_same_weights(wa: dict, wb: dict, lr: float = 3e-4, steps: int = 4) ->
             torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def stage_numel(run_dir) -> list[int]:
+    """Parameters per stage of a run's export (one shard per stage)."""
+    return [sum(t.numel() for t in load_file(str(f)).values())
+            for f in sorted((pathlib.Path(run_dir) / "model").glob("model-*-of-*.safetensors"))]
+
+
 def stages(n_stages: int, n_layers: int = 8) -> str:
     base, extra = divmod(n_layers, n_stages)
     split = [base + (1 if i < extra else 0) for i in range(n_stages)]
@@ -113,17 +119,21 @@ def eight(tiny_model, tmp_path_factory):
 
 # sync mode, the anchor on (c = K = 2), PRF boundaries, a checkpoint every 3 of 12 steps; the drift
 # controller on, reading the probe at steps 1, 5 and 9 (β moves from steps 6 and 10), its dense-step
-# rate pinned at 0.4 (dense steps 3, 5, 8 and 10), so a resume must rebuild β and the accumulator
+# rate pinned at 0.4 (dense steps 3, 5, 8 and 10), so a resume must rebuild β and the accumulator;
+# a bf16 sampler, so its weight sync and θ to the anchor travel as sparse deltas (a resume must pick
+# up the delta chain where the uninterrupted run had it)
 ANCHORED = ("codec.name=prf", "anchor.enabled=true", "anchor.mode=sync", "anchor.every=2", "anchor.staleness=2",
             "anchor.timeout=60", "train.steps=12", "train.save_every=3", "train.eval_every=100", "train.probe_every=4",
-            "control.enabled=true", "control.dense_rate_min=0.4", "control.dense_rate_max=0.4")
+            "control.enabled=true", "control.dense_rate_min=0.4", "control.dense_rate_max=0.4",
+            "sampler.dtype=bfloat16")
 
 
 @pytest.fixture(scope="session")
 def anchored(tiny_model, tmp_path_factory):
-    """The two-circuit reference run: 8 ranks on one host, the managed anchor, ANCHORED's config."""
+    """The two-circuit reference run: 8 ranks on one host, the managed anchor, ANCHORED's config;
+    the sampler's weights dumped at its end (weight_sync.py's test hook) into `sampler/`."""
     d = tmp_path_factory.mktemp("anchored")
-    launch(8, d, *ANCHORED)
+    launch(8, d, *ANCHORED, env={"DS_TWOCIRCUIT_DUMP_SAMPLER": str(d / "sampler")})
     return d
 
 

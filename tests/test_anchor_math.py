@@ -202,3 +202,64 @@ def test_states_are_kept_from_the_pin_on_and_a_fresh_run_rewinds_to_nothing(tmp_
     assert not (tmp_path / "pin.json").exists() and read_pin(tmp_path)["fire"] == -1
     assert published_fires(tmp_path) == [] and read_state(tmp_path)[0] == -1
     assert pending_requests(tmp_path, -1) == [] and steps_in(tmp_path / "theta") == []
+
+
+# ---- θ as lossless deltas in the mailbox ---------------------------------------------------
+from ds_twocircuit.anchor.forecast import replay_groups  # noqa: E402
+from ds_twocircuit.anchor.mailbox import delta_path, prune, read_theta, theta_base, write_delta  # noqa: E402
+from ds_twocircuit.delta import encode_all  # noqa: E402
+
+
+def _ship_chain(root, steps, keyframes, dtype=torch.bfloat16):
+    """θ(s) = a slowly moving bf16 tensor pair, shipped at `steps`: whole at `keyframes`, else as a
+    delta against the previous shipped step. → step → the tensors shipped."""
+    g = torch.Generator().manual_seed(0)
+    w = {"b.bias": torch.randn(7, generator=g), "a.weight": torch.randn(3, 5, generator=g)}   # not sorted:
+    # safetensors hands tensors back by name, a delta lists them in the stage's order
+    shipped, prev = {}, None
+    for s in steps:
+        w = {n: x + 1e-3 * torch.randn(x.shape, generator=g) for n, x in w.items()}
+        now = {n: x.to(dtype) for n, x in w.items()}
+        if s in keyframes:
+            write_tensors(theta_path(root, s, 0), s, now)
+        else:
+            blob, _ = encode_all([shipped[prev][n] for n in now], list(now.values()))
+            write_delta(delta_path(root, s, 0), s, prev, blob, {n: tuple(x.shape) for n, x in now.items()}, dtype)
+        shipped[s], prev = now, s
+    return shipped
+
+
+def test_theta_deltas_rebuild_bitwise_through_their_chain(tmp_path):
+    shipped = _ship_chain(tmp_path, [0, 2, 4, 6, 8], keyframes={0, 6})
+    assert [theta_base(tmp_path, s) for s in (0, 2, 4, 6, 8)] == [None, 0, 2, None, 6]
+    for s, want in shipped.items():
+        got = read_theta(tmp_path, s, 0, SHAPES)
+        assert all(torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want), s
+    # from a step the reader holds, only the deltas after it are read
+    delta_path(tmp_path, 2, 0).write_bytes(b"gone")                # would fail if read
+    held = {2: shipped[2]}
+    assert torch.equal(read_theta(tmp_path, 4, 0, SHAPES, held)["b.bias"], shipped[4]["b.bias"])
+    with pytest.raises(MailboxError, match="sha256"):
+        read_theta(tmp_path, 4, 0, SHAPES)
+    with pytest.raises(MailboxError, match="differ"):
+        read_theta(tmp_path, 8, 0, {"a.weight": (3, 5)})
+
+
+def test_prune_keeps_the_chain_a_kept_step_needs(tmp_path):
+    _ship_chain(tmp_path, [0, 2, 4, 6, 8, 10], keyframes={0, 6})
+    for s in (0, 2, 4, 6, 8, 10):
+        write_tensors(batch_path(tmp_path, s), s, {"ids_NT": torch.zeros(1, 2)})
+    prune(tmp_path, inputs_before=4, signs_before=0)               # θ(4) is a delta on θ(2) on θ(0)
+    assert steps_in(tmp_path / "theta") == [0, 2, 4, 6, 8, 10]
+    assert steps_in(tmp_path / "batch", ".safetensors") == [4, 6, 8, 10]
+    prune(tmp_path, inputs_before=8, signs_before=0)               # θ(8) needs θ(6), a keyframe
+    assert steps_in(tmp_path / "theta") == [6, 8, 10]
+    assert read_theta(tmp_path, 10, 0, SHAPES).keys() == SHAPES.keys()
+
+
+def test_replay_groups_are_a_keyed_share():
+    assert replay_groups(32, 1.0, 0, 5) == list(range(32))
+    a = replay_groups(32, 0.25, 0, 5)
+    assert len(a) == 8 and a == sorted(set(a)) and a == replay_groups(32, 0.25, 0, 5)
+    assert a != replay_groups(32, 0.25, 0, 6) and a != replay_groups(32, 0.25, 1, 5)
+    assert replay_groups(3, 0.01, 0, 0) != [] and len(replay_groups(3, 0.01, 0, 0)) == 1

@@ -13,7 +13,7 @@ MATH = ["ds_twocircuit.grpo.loss", "ds_twocircuit.grpo.advantages", "ds_twocircu
         "ds_twocircuit.codec.prf", "ds_twocircuit.codec.geometry", "ds_twocircuit.codec.lowrank",
         "ds_twocircuit.codec.rotated",
         "ds_twocircuit.codec.boundary", "ds_twocircuit.anchor.sign", "ds_twocircuit.anchor.forecast",
-        "ds_twocircuit.metrics", "ds_twocircuit.control", "ds_twocircuit.evaluation"]
+        "ds_twocircuit.metrics", "ds_twocircuit.control", "ds_twocircuit.evaluation", "ds_twocircuit.delta"]
 BLOCKED = ["deepspeed", "datasets", "transformers", "omegaconf", "safetensors", "tokenizers", "wandb", "accelerate",
            "math_verify"]
 

@@ -58,7 +58,7 @@ def test_sampler_seed_and_bf16(tiny_model):
     half = HFSampler(tiny_model, dtype="bfloat16")
     assert {dt for _, dt in half.weight_shapes().values()} == {torch.bfloat16}
     named = list(s.model.named_parameters())
-    assert half.load_weights(named) == sum(p.numel() * 2 for _, p in named)
+    assert half.load_weights(dict(named)) == sum(p.numel() * 2 for _, p in named)
     assert all(torch.equal(q, p.to(torch.bfloat16)) for (_, p), q in zip(named, half.model.parameters()))
     g = half.generate(["12+3*4="], 4, max_new_tokens=4, seed=7)
     assert (g.logp_NT1[g.resp_NT1.bool()] <= 0).all() and g.resp_NT1.sum() > 0

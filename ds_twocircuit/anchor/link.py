@@ -4,8 +4,11 @@ Only global rank 0 touches the mailbox (it holds the dense θ(t) its sampler was
 trainer's other nodes need no shared filesystem; the anchor only needs a file transport to rank 0's
 mailbox. `step(t)`, before step t's update, on every rank:
 
-    ship        rank 0: if t = max(0, f − K) for a fire f of this run, write θ(t) per stage and the
-                batch θ(t) generated, then one request per such fire (mailbox.py)
+    ship        rank 0: if t = max(0, f − K) for a fire f of this run, write θ(t) per stage (as the
+                sampler holds it: the weights that generated the batch) and the batch θ(t) generated
+                (a keyed share of its prompt groups with `anchor.replay_fraction` < 1), then one
+                request per such fire (mailbox.py). θ goes as lossless deltas against the previous
+                shipped step, with a keyframe now and then (mailbox.py says when)
     pick        rank 0: the newest published fire f ≤ t whose files all check out (checksums,
                 layout; a bad file is logged and skipped, never sent); sync mode first waits for the
                 fire due at t. The pick is broadcast (one int), so every rank switches at the same step
@@ -19,7 +22,9 @@ external one that does not answer within `anchor.timeout` seconds is waited for 
 Checkpoints: each trainer checkpoint records the held fire; `checkpointed` pins it in the mailbox
 (what the anchor and `collect` must keep to rewind to it). On --resume rank 0 ends a managed anchor
 left from the crashed run, rewinds the mailbox to the checkpoint (mailbox.rewind) and every rank
-takes up the checkpoint's sign again (`restore`), so the run continues the uninterrupted trajectory.
+takes up the checkpoint's sign again (`restore`), so the run continues the uninterrupted trajectory;
+rank 0 takes the newest θ shipped before the checkpoint back from the mailbox, so its next delta
+(and its keyframe schedule) is the uninterrupted run's.
 """
 import math
 import pathlib
@@ -31,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import broadcast_tensors
+from ..delta import encode_all
 from . import mailbox as mb
-from .forecast import fires_replaying, forecast_steps, weights_step
+from .forecast import fires_replaying, forecast_steps, replay_groups, weights_step
 from .process import AnchorProcess
 from .sign import pack_bits, unpack_bits
 
@@ -50,6 +56,7 @@ class AnchorLink:
         """`shapes`: HF name → (shape, dtype) of the whole model (rank 0's sampler); None elsewhere.
         `resume`: (held fire, step) of the checkpoint a resumed run starts from."""
         self.a, self.steps, self.shapes = tc.anchor, tc.train.steps, shapes
+        self.group_size, self.seed = tc.grpo.group_size, tc.train.seed
         self.pipe, self.lowrank_cuts = pipeline.pipe, sorted(pipeline.codec.cuts) if tc.codec.name == "lowrank" else []
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
@@ -73,6 +80,7 @@ class AnchorLink:
                 print(f"[anchor] rewound the mailbox to fire {resume[0] if resume else -1} (checkpoint after step "
                       f"{resume[1] if resume else 0}): removed " + ", ".join(f"{n} {k}" for k, n in gone.items()),
                       flush=True)
+            self.shipped, self.chain_bytes, self.keyframe_bytes = self._last_shipped(resume[1] if resume else 0)
             if self.process is not None:
                 self.process.start()
 
@@ -135,18 +143,17 @@ class AnchorLink:
 
     # ---- rank 0 -----------------------------------------------------------------------------
     def _ship(self, t: int, theta: dict, rollout, kl_coef: float) -> int:
-        """θ(t) per stage and the batch θ(t) generated, then the requests; → bytes written. kl_coef
-        is the β step t trains with (the drift controller moves it), so the anchor replays the same loss."""
+        """θ(t) per stage and (a share of) the batch θ(t) generated, then the requests; → bytes
+        written. kl_coef is the β step t trains with (the drift controller moves it), so the anchor
+        replays the same loss."""
         fires = fires_replaying(t, self.a.every, self.a.staleness, self.steps)
         if not fires:
             return 0
-        written = 0
-        for i, names in enumerate(self.pipe.hf_names_per_stage()):
-            path = mb.theta_path(self.root, t, i)
-            mb.write_tensors(path, t, {n: theta[n] for n in names})
-            written += path.stat().st_size
+        written = self._ship_theta(t, theta)
+        groups = rollout.ids_NT.shape[0] // self.group_size
+        share = rollout.groups(replay_groups(groups, self.a.replay_fraction, self.seed, t), self.group_size)
         path = mb.batch_path(self.root, t)
-        mb.write_tensors(path, t, {f: getattr(rollout, f) for f in rollout.__dataclass_fields__})
+        mb.write_tensors(path, t, {f: getattr(share, f) for f in share.__dataclass_fields__})
         written += path.stat().st_size
         for f in fires:
             _, older = forecast_steps(f, self.a.staleness, self.a.every)
@@ -154,6 +161,49 @@ class AnchorLink:
                                          "stages": self.pipe.num_stages, "every": self.a.every,
                                          "staleness": self.a.staleness, "kl_coef": kl_coef})
         return written
+
+    def _ship_theta(self, t: int, theta: dict) -> int:
+        """θ(t) of every stage, whole (a keyframe) or as deltas against the previous shipped step;
+        → bytes written."""
+        now = [{n: theta[n] for n in names} for names in self.pipe.hf_names_per_stage()]
+        keyframe = self.shipped is None or self.chain_bytes >= mb.KEYFRAME_CHAIN * self.keyframe_bytes
+        written = 0
+        for i, mine in enumerate(now):
+            if keyframe:
+                path = mb.theta_path(self.root, t, i)
+                mb.write_tensors(path, t, mine)
+            else:
+                base, before = self.shipped
+                blob, _ = encode_all([before[i][n] for n in mine], list(mine.values()))
+                path = mb.delta_path(self.root, t, i)
+                mb.write_delta(path, t, base, blob, {n: tuple(x.shape) for n, x in mine.items()},
+                               next(iter(mine.values())).dtype)
+            written += path.stat().st_size
+        if keyframe:
+            self.keyframe_bytes, self.chain_bytes = written, 0
+        else:
+            self.chain_bytes += written
+        self.shipped = (t, now)
+        return written
+
+    def _last_shipped(self, before: int) -> tuple[tuple[int, list[dict]] | None, int, int]:
+        """Rank 0 at start: the newest θ shipped before step `before` still in the mailbox (a resume's
+        rewound one) → ((step, per-stage tensors) or None, delta bytes since its keyframe, that
+        keyframe's bytes): where the uninterrupted run's shipping stood."""
+        steps = [s for s in mb.steps_in(self.root / "theta") if s < before]
+        if not steps:
+            return None, 0, 0
+        stages = range(self.pipe.num_stages)
+        try:
+            now = [mb.read_theta(self.root, steps[-1], i) for i in stages]
+        except mb.MailboxError as e:
+            print(f"[anchor] θ({steps[-1]}) unreadable ({e}): the next θ ships whole", file=sys.stderr, flush=True)
+            return None, 0, 0
+        chain, step = 0, steps[-1]
+        while (base := mb.theta_base(self.root, step)) is not None:
+            chain += sum(mb.delta_path(self.root, step, i).stat().st_size for i in stages)
+            step = base
+        return (steps[-1], now), chain, sum(mb.theta_path(self.root, step, i).stat().st_size for i in stages)
 
     def _pick(self, t: int) -> tuple[int, tuple | None, float]:
         """The newest published fire ≤ t (sync mode: after waiting for the fire due at t), its

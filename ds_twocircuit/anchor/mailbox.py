@@ -4,7 +4,9 @@ Layout under the mailbox directory (any file transport can carry it between host
 
     config.json                             the trainer's config (the anchor's loss, model, β_M)
     fire/step{f:08d}.json                   request: fire f, its weights step s, the forecast's older step
-    theta/step{s:08d}/stage{i}.safetensors  + stage{i}.json   θ(s) of stage i, HF names, stage order
+    theta/step{s:08d}/stage{i}.safetensors  + stage{i}.json   θ(s) of stage i, HF names, stage order: whole,
+    theta/step{s:08d}/stage{i}.delta                          or as a lossless delta against the previous
+                                                              shipped step (delta.py; the manifest names it)
     batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
     sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
     sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
@@ -20,6 +22,12 @@ on --resume removes what lies past that checkpoint: the requests for fires whose
 or later and their shipped θ and batches (the resumed trainer ships them again), and every sign and
 state of a fire after h. The anchor then resumes M from fire h and recomputes the later fires, from
 the kept inputs of steps before s and the reshipped ones, as the uninterrupted run did.
+
+θ as deltas: each shipped θ(s) is either whole (a keyframe) or the delta of each tensor's values
+since the previous shipped step, θ(base); a reader rebuilds it through that chain from the keyframe
+(or from a step it already holds), bit for bit. The trainer ships a keyframe first, and again once
+the deltas since the last one add up to KEYFRAME_CHAIN keyframes, which bounds what a restarted
+anchor reads; `prune` keeps every θ that a kept step's chain reaches back to.
 
 A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
 checks all three and raises `MailboxError` naming the file. A sign file is a fixed 96-byte header
@@ -37,12 +45,14 @@ import struct
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..delta import decode_all
 from ..files import write_atomic
 
 MAGIC = b"TCSIGN\0\0"
 VERSION = 1
 _HEADER = struct.Struct("<8sIqiq32s32s")   # 96 bytes
 HEADER_BYTES = _HEADER.size
+KEYFRAME_CHAIN = 4     # a θ keyframe again once the deltas since the last one hold this many keyframes' bytes
 
 
 class MailboxError(ValueError):
@@ -62,6 +72,10 @@ def layout_digest(shapes: dict[str, tuple]) -> bytes:
 # ---- paths and requests ------------------------------------------------------------------
 def theta_path(root: pathlib.Path, step: int, stage: int) -> pathlib.Path:
     return root / "theta" / f"step{step:08d}" / f"stage{stage}.safetensors"
+
+
+def delta_path(root: pathlib.Path, step: int, stage: int) -> pathlib.Path:
+    return theta_path(root, step, stage).with_suffix(".delta")
 
 
 def batch_path(root: pathlib.Path, step: int) -> pathlib.Path:
@@ -89,14 +103,37 @@ def published_fires(root: pathlib.Path) -> list[int]:
 
 
 def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
-    """Remove shipped θ and batches of steps before `inputs_before` and signs of fires before
-    `signs_before` (what no fire can read any more)."""
-    for step in _input_steps(root):
+    """Remove shipped batches of steps before `inputs_before`, θ no kept step's delta chain reaches
+    (module docstring), and signs of fires before `signs_before` (what no fire can read any more)."""
+    floor = _chain_floor(root, inputs_before)
+    for step in steps_in(root / "theta"):
+        if step < floor:
+            shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
+    for step in steps_in(root / "batch", ".safetensors"):
         if step < inputs_before:
-            _remove_inputs(root, step)
+            _remove_batch(root, step)
     for f in published_fires(root):
         if f < signs_before:
             shutil.rmtree(sign_dir(root, f), ignore_errors=True)
+
+
+def theta_base(root: pathlib.Path, step: int) -> int | None:
+    """The step θ(step) is a delta against; None for a keyframe (or an unreadable manifest)."""
+    try:
+        return json.loads(theta_path(root, step, 0).with_suffix(".json").read_text()).get("base")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _chain_floor(root: pathlib.Path, before: int) -> int:
+    """The oldest θ step that the chain of the oldest θ at or after `before` reaches back to."""
+    kept = [s for s in steps_in(root / "theta") if s >= before]
+    if not kept:
+        return before
+    step = kept[0]
+    while (base := theta_base(root, step)) is not None:
+        step = base
+    return min(step, before)
 
 
 def _input_steps(root: pathlib.Path) -> list[int]:
@@ -104,8 +141,12 @@ def _input_steps(root: pathlib.Path) -> list[int]:
 
 
 def _remove_inputs(root: pathlib.Path, step: int) -> None:
-    """θ(step) of every stage and the batch it generated (shipped together, so removed together)."""
+    """θ(step) of every stage and the batch it generated (shipped together, rewound together)."""
     shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
+    _remove_batch(root, step)
+
+
+def _remove_batch(root: pathlib.Path, step: int) -> None:
     for suffix in (".safetensors", ".json"):
         batch_path(root, step).with_suffix(suffix).unlink(missing_ok=True)
 
@@ -224,7 +265,46 @@ def write_tensors(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor
     write_atomic(path.with_suffix(".json"), json.dumps(manifest).encode())
 
 
-def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+def write_delta(path: pathlib.Path, step: int, base: int, blob: bytes, shapes: dict[str, tuple],
+                dtype: torch.dtype) -> None:
+    """A θ delta (`.delta`, delta.py's blob of every tensor in `shapes`' order against θ(base)) and
+    its manifest, which lands last."""
+    write_atomic(path, blob)
+    manifest = {"step": step, "file": path.name, "sha256": _sha256(blob), "base": base,
+                "dtype": str(dtype).removeprefix("torch."), "shapes": {n: list(s) for n, s in shapes.items()}}
+    write_atomic(path.with_suffix(".json"), json.dumps(manifest).encode())
+
+
+def read_theta(root: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple] | None = None,
+               known: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """θ(step) of one stage, rebuilt through its delta chain from the nearest keyframe or from a
+    step in `known` (step → this stage's tensors, held by the reader)."""
+    known, chain = known or {}, []
+    while step not in known:
+        path = delta_path(root, step, stage)
+        manifest = _manifest(path, step) if path.is_file() else None
+        if manifest is None or manifest.get("base") is None:
+            break
+        chain.append((step, manifest))
+        step = manifest["base"]
+    cur = known[step] if step in known else read_tensors(theta_path(root, step, stage), step, shapes)
+    for s, manifest in reversed(chain):
+        path = delta_path(root, s, stage)
+        names = list(manifest["shapes"])
+        if set(names) != set(cur):
+            raise MailboxError(f"{path}: its tensors differ from θ({manifest['base']})'s")
+        try:
+            news = decode_all([cur[n] for n in names], _checked_bytes(path, manifest),
+                              [tuple(manifest["shapes"][n]) for n in names], getattr(torch, manifest["dtype"]))
+        except (ValueError, AttributeError) as e:
+            raise MailboxError(f"{path}: malformed delta ({e})") from None
+        cur = dict(zip(names, news))
+    if shapes is not None and {n: tuple(t.shape) for n, t in cur.items()} != {n: tuple(s) for n, s in shapes.items()}:
+        raise MailboxError(f"{theta_path(root, step, stage)}: tensor names/shapes differ from this stage's parameters")
+    return cur
+
+
+def _manifest(path: pathlib.Path, step: int) -> dict:
     man_path = path.with_suffix(".json")
     if not man_path.is_file() or not path.is_file():
         raise MailboxError(f"{path}: missing (or its manifest is)")
@@ -234,9 +314,19 @@ def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None 
         raise MailboxError(f"{man_path}: corrupt manifest ({e})") from None
     if manifest.get("step") != step:
         raise MailboxError(f"{path}: manifest says step {manifest.get('step')}, expected {step}")
+    return manifest
+
+
+def _checked_bytes(path: pathlib.Path, manifest: dict) -> bytes:
     data = path.read_bytes()
     if _sha256(data) != manifest.get("sha256"):
         raise MailboxError(f"{path}: sha256 mismatch (corrupt or truncated file)")
+    return data
+
+
+def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    manifest = _manifest(path, step)
+    _checked_bytes(path, manifest)
     tensors = load_file(str(path))
     got = {n: list(t.shape) for n, t in tensors.items()}
     if got != manifest["shapes"]:

@@ -38,7 +38,7 @@ from ..engine import build_pipeline, init_distributed
 from ..grpo.loss import LossCoefs
 from ..grpo.rollouts import Rollout
 from . import mailbox as mb
-from .forecast import forecast
+from .forecast import forecast, replay_groups
 from .sign import pack_signs
 
 
@@ -48,7 +48,7 @@ class AnchorWorker:
         one = copy.deepcopy(tc)
         one.model.layers_per_stage = [sum(tc.model.layers_per_stage)]
         one.codec.name = "dense"
-        n = tc.grpo.prompts_per_step * tc.grpo.group_size
+        n = len(replay_groups(tc.grpo.prompts_per_step, tc.anchor.replay_fraction, 0, 0)) * tc.grpo.group_size
         micro = math.gcd(n, ds.get("train_micro_batch_size_per_gpu", n))
         ds1 = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": n // micro,
                "train_batch_size": n, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
@@ -62,6 +62,7 @@ class AnchorWorker:
         self.k = keep_count(tc.codec.keep, tc.codec.keep_ratio, d)
         self.M: dict[str, torch.Tensor] = {}
         self.bases: dict[int, torch.Tensor] = {}
+        self.thetas: dict[int, list[dict]] = {}   # step → per-stage θ rebuilt lately: the next delta's base
         self.done = -1
         self._rewind_seen = self._rewind_mark()
         self._load_state()
@@ -99,7 +100,7 @@ class AnchorWorker:
         """A resumed trainer rewound the mailbox: forget M and start again from the kept state."""
         mark = self._rewind_mark()
         if mark != self._rewind_seen:
-            self._rewind_seen, self.M, self.bases, self.done = mark, {}, {}, -1
+            self._rewind_seen, self.M, self.bases, self.thetas, self.done = mark, {}, {}, {}, -1
             log(f"the trainer rewound the mailbox ({mark.decode(errors='replace')}): reloading")
             self._load_state()
 
@@ -147,10 +148,11 @@ class AnchorWorker:
         log(f"fire {f}: replayed {how} on {batch.ids_NT.shape[0]} sequences in {time.perf_counter() - t0:.2f} s")
 
     def _read_theta(self, step: int, layouts: list[dict]) -> dict[str, torch.Tensor]:
-        theta = {}
-        for i, shapes in enumerate(layouts):
-            theta.update(mb.read_tensors(mb.theta_path(self.root, step, i), step, shapes))
-        return theta
+        """θ(step), rebuilt from its deltas against the steps read lately (the last 3 are kept)."""
+        stages = [mb.read_theta(self.root, step, i, shapes, {s: th[i] for s, th in self.thetas.items()})
+                  for i, shapes in enumerate(layouts)]
+        self.thetas = {s: th for s, th in sorted({**self.thetas, step: stages}.items())[-3:]}
+        return {n: t for stage in stages for n, t in stage.items()}
 
     @torch.no_grad()
     def _load(self, theta: dict[str, torch.Tensor]) -> None:

@@ -144,6 +144,8 @@ def check_anchor(a: AnchorConfig) -> None:
         raise ConfigError(f"anchor.mode='{a.mode}': expected sync or async")
     if a.timeout <= 0:
         raise ConfigError(f"anchor.timeout={a.timeout}: must be > 0 seconds")
+    if not 0.0 < a.replay_fraction <= 1.0:
+        raise ConfigError(f"anchor.replay_fraction={a.replay_fraction}: must be in (0, 1]")
 
 
 def check_batches(tc: TwoCircuitConfig, ds: dict, dp: int) -> None:

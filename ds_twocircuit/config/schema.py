@@ -118,6 +118,9 @@ class AnchorConfig:
     every: int = opt(20, "c: fires at t = 0, c, 2c, ...")
     staleness: int = opt(20, "K: fire t replays θ(max(0, t−K)) and the batch it generated")
     forecast: bool = opt(False, "replay at θ̂ = θ(t−K) + (K/c)(θ(t−K) − θ(t−K−c)) instead")
+    replay_fraction: float = opt(1.0, "share of a shipped batch's prompt groups a fire replays (a keyed draw); "
+                                 "with every=1, 1/c is the compute-matched anchor: cadence c's compute, a "
+                                 "fresh sign every step", lo=0)
     beta_m: float = opt(0.25, "M ← β_M·M + (1−β_M)·G_anc", lo=0)
     alpha: float = opt(0.25, "G = α·G_comp + (1−α)·|G_comp| ⊙ sign(M)", lo=0)
     mode: str = opt("sync", "sync: wait for each fire's sign (reproducible) | async: the newest published one")

@@ -30,6 +30,11 @@ class Rollout:
     def slice(self, start: int, stop: int) -> "Rollout":
         return Rollout(*[t[start:stop] for t in self.tensors()])
 
+    def groups(self, idx: list[int], group_size: int) -> "Rollout":
+        """The rows of prompt groups `idx` (G adjacent samples each), in that order."""
+        rows = torch.tensor([g * group_size + j for g in idx for j in range(group_size)], dtype=torch.long)
+        return Rollout(*[t[rows] for t in self.tensors()])
+
     @property
     def num_response_tokens(self) -> float:
         return float(self.resp_NT1.sum())

@@ -7,7 +7,7 @@ the trainer sizes its weight gather and checks the anchor's files by them). Two 
 (a vLLM engine; vllm is imported there only). Importing this module pulls in torch only.
 """
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Mapping, Protocol
 
 import torch
 
@@ -27,11 +27,15 @@ class Sampler(Protocol):
         """Each prompt repeated n times (adjacent) → N = len(prompts)·n rows, with the log-probs of
         the sampled tokens under the distribution sampled from; `seed` makes the draws repeatable."""
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Take new dense weights (HF names), in place; → the bytes taken in."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor], changed: set[str] | None = None) -> int:
+        """Take new dense weights (HF name → tensor, all of them), in place; `changed` names those
+        that differ from what it holds (None: all may); → the bytes taken in."""
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """HF name → (shape, dtype) of every weight it holds."""
+
+    def held_weights(self) -> Mapping[str, torch.Tensor] | None:
+        """The weights it holds, read back from itself (HF names); None where they cannot be."""
 
     def close(self) -> None:
         """Release what it started (engine processes)."""

@@ -4,7 +4,7 @@ It records the log-probability of every token it sampled under its own sampling 
 (softmax(logits/τ), no top-k/top-p), so the trainer can measure the train-inference mismatch.
 Prompts are left-padded; the response runs through the first end-of-sequence token, padding after.
 """
-from typing import Iterable
+from typing import Mapping
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,11 +24,13 @@ class HFSampler:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], changed: set[str] | None = None) -> int:
+        """Copies the changed tensors into the model's own; → their bytes."""
         params, nbytes = dict(self.model.named_parameters()), 0
-        for name, t in named_tensors:
-            params[name].copy_(t)
-            nbytes += params[name].numel() * params[name].element_size()
+        for name, t in weights.items():
+            if changed is None or name in changed:
+                params[name].copy_(t)
+                nbytes += params[name].numel() * params[name].element_size()
         return nbytes
 
     def close(self) -> None:
@@ -36,6 +38,9 @@ class HFSampler:
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+
+    def held_weights(self) -> Mapping[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,

@@ -11,13 +11,16 @@ vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
                   through `collective_rpc` to a worker extension (WeightSync), which loads them in
                   place; then the prefix cache is reset (stale cached prefixes of prompts longer
                   than one KV block gave log-prob errors of 6.4 nats). A tied model is sent
-                  `lm_head.weight` too: vLLM keeps its own copy of the head
+                  `lm_head.weight` too: vLLM keeps its own copy of the head. Every tensor goes
+                  whenever any changed: vLLM reloads layer by layer and processes a layer that got
+                  only some of its tensors (q without k and v) with the rest missing. Only the
+                  stages' deltas cross the network (weight_sync.py); this handoff is on one host
 
 Prompts are tokenized here (the trainer's tokenizer, no special tokens added) and passed as token
 ids, so both backends see the same ids. The Generation it returns has the HF backend's layout:
 prompts left-padded, responses right-padded to the longest, through the first EOS.
 """
-from typing import Iterable
+from typing import Mapping
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -74,9 +77,15 @@ class VLLMSampler:
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return dict(self.shapes)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """→ the bytes handed to the engine."""
-        tensors = {n: t.detach().to(self.dtype).contiguous() for n, t in named_tensors}
+    def held_weights(self) -> None:
+        """vLLM's CPU kernels repack linear weights at load: they cannot be read back in HF layout."""
+        return None
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], changed: set[str] | None = None) -> int:
+        """All of `weights` when any changed, nothing otherwise; → the bytes handed to the engine."""
+        if changed is not None and not changed:
+            return 0
+        tensors = {n: t.detach().to(self.dtype).contiguous() for n, t in weights.items()}
         if self.tied and "lm_head.weight" not in tensors:
             # a copy: safetensors refuses tensors that share memory
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()

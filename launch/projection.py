@@ -1,0 +1,101 @@
+"""The real deployment on paper, from what was measured here: seconds per step of Qwen2.5-1.5B on 8
+GPU stages at 100 Mbit/s and 1 Gbit/s, per codec, and which term dominates.
+
+    python launch/projection.py [--beta 3.03 --bench-m 4] [--sync-ratio R] [--anchor-every C] ...
+
+The workload is the reports': 512 prompts × 8 samples × up to 4096 tokens per step (N = 16.8 M
+tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % MFU. Per step:
+
+    compute      8·P·N / (S·F·mfu)            the reference pass (2PN) and the update (6PN), on S devices
+    boundaries   β(M)·B/r                      B: bytes one cut carries per step, 3 passes (reference
+                                               forward, train forward, train backward) × N × the
+                                               codec's bytes per token (below); r: the link's rate
+    sync         ρ·2P/r                        the sampler's weights; ρ = 1 whole, the measured delta
+                                               ratio with the lossless delta sync (weight_sync.py)
+    anchor       (θ + batch + P/8) per fire / c   θ as a delta (ρ_c: ratio after c steps of movement),
+                                               the replayed batch (ids, masks, sampler log-probs: 24
+                                               bytes per token), sign(M) back
+
+Bytes per token and cut, per pass (checked against bench_links.py's p2p counts at d = 1536: dense
+18 432, prf 924, rotated 1 782 bytes per token over the three passes in fp32): dense d·2; prf95
+77·2 (bf16 payload); rotated 770 forward (4 bits on all 1536 rotated coordinates + a 2-byte
+scale), 242 back (2 bits on 960).
+
+β(M), the cut transfers on the critical path, is what bench_links.py fits at its M micro-batches,
+carried to the workload's M by a flow shop's (M + S − 2)/M (each pass's M micro-batches cross S − 1
+links in a chain; `--overlap` in bench_links.py measures how β follows M). Two totals: serial, the
+sum of the terms (DeepSpeed's blocking sends leave transfer and compute in series on each stage),
+and overlapped, max(compute, boundaries) + sync + anchor (transfers hidden behind compute, the
+most non-blocking sends or a deeper schedule could give).
+
+The anchor is bounded by compute, not bytes: one device replaying a whole batch densely takes
+(S / anchor devices) × the step's compute, so its cadence c cannot be below S/A. The compute-matched
+anchor fires every step on a keyed 1/c share of the batch: the same compute, a sign one step old,
+θ as a one-step delta, P/8 bytes back every step.
+"""
+import argparse
+
+KEEP, D, FWD_ROT, BWD_ROT = 77, 1536, 770, 242
+
+
+def bytes_per_token(codec: str) -> float:
+    """Bytes one cut carries per token over a step's three passes, bf16 activations."""
+    return {"dense": 3 * D * 2, "prf95": 3 * KEEP * 2, "rotated": 2 * FWD_ROT + BWD_ROT}[codec]
+
+
+def flow_shop(m: int, stages: int) -> float:
+    return (m + stages - 2) / m
+
+
+def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
+    r = rate_bps / 8
+    n = a.prompts * a.samples * a.tokens
+    compute = 8 * a.params * n / (a.stages * a.gpu_flops * a.mfu)
+    beta = a.beta * flow_shop(a.m, a.stages) / flow_shop(a.bench_m, a.stages)
+    out = {"compute": compute, "boundaries": beta * bytes_per_token(codec) * n / r,
+           "sync (whole)": 2 * a.params / r, "sync (delta)": a.sync_ratio * 2 * a.params / r, "anchor": 0.0}
+    if codec != "dense":
+        c, share = (a.anchor_every, 1.0) if not a.compute_matched else (1, 1 / a.anchor_every)
+        theta = (a.anchor_theta_ratio if not a.compute_matched else a.sync_ratio) * 2 * a.params
+        out["anchor"] = (theta + 24 * n * share + a.params / 8) / c / r
+    return out
+
+
+def table(a) -> str:
+    lines = ["| link | codec | compute | boundaries β·B/r | sync whole / delta | anchor | total serial (× compute) | "
+             "total overlapped (× compute) | dominant |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9)):
+        for codec in ("dense", "prf95", "rotated"):
+            t = terms(codec, bps, a)
+            sync = t["sync (delta)"]
+            serial = t["compute"] + t["boundaries"] + sync + t["anchor"]
+            overlapped = max(t["compute"], t["boundaries"]) + sync + t["anchor"]
+            parts = {"compute": t["compute"], "boundaries": t["boundaries"], "sync": sync, "anchor": t["anchor"]}
+            lines.append(f"| {name} | {codec} | {t['compute']:.0f} | {t['boundaries']:.0f} | "
+                         f"{t['sync (whole)']:.1f} / {sync:.1f} | {t['anchor']:.1f} | {serial:.0f} "
+                         f"({serial / t['compute']:.2f}) | {overlapped:.0f} ({overlapped / t['compute']:.2f}) | "
+                         f"{max(parts, key=parts.get)} |")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--beta", type=float, default=3.03, help="β fitted by bench_links.py (dense, its M)")
+    ap.add_argument("--bench-m", type=int, default=4, help="micro-batches per step of that fit")
+    ap.add_argument("--m", type=int, default=1024, help="the workload's micro-batches per step (4096 sequences / 4)")
+    ap.add_argument("--sync-ratio", type=float, default=1.0, help="delta sync bytes / whole bf16 bytes per step")
+    ap.add_argument("--anchor-theta-ratio", type=float, default=1.0, help="θ delta bytes / whole after c steps")
+    ap.add_argument("--anchor-every", type=int, default=8, help="c; at least stage devices / anchor devices")
+    ap.add_argument("--compute-matched", action="store_true", help="the anchor every step on a 1/c share")
+    ap.add_argument("--params", type=float, default=1.54e9)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--stages", type=int, default=8)
+    ap.add_argument("--gpu-flops", type=float, default=989e12)
+    ap.add_argument("--mfu", type=float, default=0.4)
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print(table(parse()))
