@@ -1,14 +1,22 @@
-"""Prompts, answers and rewards: the synthetic task, MATH-style rows, verifiers, the data order."""
+"""Prompts, answers and rewards: the synthetic task, MATH-style rows, verifiers, the data order.
+
+The task lives on global rank 0 (the sampler's rank); HF `datasets` is imported only when a task is
+built, so the other ranks never load it.
+"""
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-from datasets import Dataset
 
 from .math_rows import load_math_rows, math_prompt
 from .synthetic import synthetic_splits
 from .math_verifier import MathVerifier
 from .verify import exact_integer
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 
 @dataclass

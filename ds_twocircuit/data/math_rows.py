@@ -5,14 +5,19 @@ already in the local HF cache. The column names are configurable (`data.problem_
 `data.answer_key`); MATH's `solution` column is reduced to its last `\\boxed{...}` when no answer
 column exists.
 """
-import pathlib
+from __future__ import annotations
 
-from datasets import Dataset, load_dataset
+import pathlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
 def load_math_rows(source: str, split: str, problem_key: str, answer_key: str) -> Dataset:
+    from datasets import load_dataset
     path = pathlib.Path(source)
     if path.exists():
         files = sorted(str(p) for p in path.glob("*") if p.suffix in (".jsonl", ".json", ".parquet")) if path.is_dir() else [str(path)]

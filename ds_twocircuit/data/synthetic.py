@@ -6,8 +6,14 @@ The 10,000 problems are split once by a fixed permutation into a held-out set an
 so held-out accuracy measures generalisation, not memorised rows. Rows are HF `datasets` rows with
 the same columns as a MATH-style set (`problem`, `answer`).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
-from datasets import Dataset
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 SPLIT_SEED = 1234
 
@@ -18,6 +24,7 @@ def all_problems() -> list[tuple[str, str]]:
 
 def synthetic_splits(eval_size: int = 512) -> tuple[Dataset, Dataset]:
     """→ (train, held_out) datasets with columns problem, answer. Disjoint; deterministic."""
+    from datasets import Dataset
     rows = all_problems()
     order = np.random.default_rng(SPLIT_SEED).permutation(len(rows))
     held = [rows[i] for i in order[:eval_size]]
