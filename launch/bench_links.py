@@ -151,8 +151,9 @@ def build_model(a) -> str:
 def run_launches(a, phases: list[dict]) -> list[dict]:
     """One launch per compressed codec, micro-batch count and p2p mode, running its phases and the
     dense ones of the same count and mode, in the given order."""
-    keys = list(dict.fromkeys((ph["codec"], ph.get("m", a.gas), ph.get("p2p", "deepspeed")) for ph in phases
-                              if ph["codec"] != "dense")) or [("prf", a.gas, "deepspeed")]
+    compressed = [c for c in dict.fromkeys(ph["codec"] for ph in phases) if c != "dense"] or ["prf"]   # dense alone: prf's engine
+    keys = [(c, m, mode) for m, mode in dict.fromkeys((ph.get("m", a.gas), ph.get("p2p", "deepspeed")) for ph in phases)
+            for c in compressed]
     results = []
     for codec, m, mode in keys:
         print(f"launch: dense and {codec}, {m} micro-batches, {mode} sends", flush=True)
@@ -305,34 +306,14 @@ def fit_link_model(results: list[dict], stages: int) -> dict:
     return out
 
 
-def project(beta: float, keep: float = 0.05, params: float = 1.54e9, d: int = 1536, prompts: int = 512,
-            samples: int = 8, tokens_per_seq: int = 4096, gpu_flops: float = 989e12, mfu: float = 0.4,
-            stages: int = 8, anchor_every: int = 20) -> str:
-    """The real deployment on paper: Qwen2.5-1.5B on 8 GPU stages, 512 × 8 sequences of up to 4k tokens,
-    bf16 activations; per step, in seconds, at 100 Mbit/s and 1 Gbit/s, dense against prf95."""
-    n = prompts * samples * tokens_per_seq                       # tokens per step
-    compute = 8 * params * n / (stages * gpu_flops * mfu)         # ref fwd (2PN) + train fwd+bwd (6PN), 8 GPUs
-    cut_dense = 3 * n * d * 2                                    # ref fwd + train fwd + train bwd, bf16
-    lines = ["| link | codec | compute | boundaries (β·B/r) | sampler sync (2P/r) | anchor (P/8 + 2P per fire)/c | "
-             "total | dominant |", "|---|---|---|---|---|---|---|---|"]
-    for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9)):
-        r = bps / 8
-        for codec, frac in (("dense", 1.0), ("prf95", keep)):
-            terms = {"compute": compute, "boundaries": beta * cut_dense * frac / r, "sampler sync": 2 * params / r,
-                     "anchor": (params / 8 + 2 * params) / anchor_every / r if codec == "prf95" else 0.0}
-            total = sum(terms.values())
-            lines.append(f"| {name} | {codec} | {terms['compute']:.0f} | {terms['boundaries']:.0f} | "
-                         f"{terms['sampler sync']:.0f} | {terms['anchor']:.1f} | {total:.0f} | "
-                         f"{max(terms, key=terms.get)} |")
-    return "\n".join(lines)
-
-
 def print_projection(a) -> None:
+    """The fitted model, and projection.py's 1.5B table with the fitted dense β at this run's M."""
+    import projection
     results = json.loads((pathlib.Path(a.out) / "results.json").read_text())
     fit = fit_link_model(results, a.stages)
     print("fitted T = T0 + β·B/r: " + ", ".join(f"{c}: T0 {v['t0']:.2f} s, β {v['beta']:.2f}" for c, v in fit.items()))
     beta = next((v for c, v in fit.items() if c.startswith("dense")), next(iter(fit.values())))["beta"]
-    text = project(beta, a.keep_ratio)
+    text = projection.table(projection.parse(["--beta", f"{beta:.4f}", "--bench-m", str(a.gas)]))
     (pathlib.Path(a.out) / "projection.md").write_text(text + "\n")
     print(text)
 

@@ -77,7 +77,7 @@ def run(kind: str, lr: float, steps: int, batch: int, wd: float) -> list[dict]:
         n32 = sum(int((a != p.detach()).sum()) for a, p in zip(prev32, params))
         est = sum(float(torch.clamp((p.detach() - a).abs() / ulp_bf16(p.detach()), max=1).sum())
                   for a, p in zip(prev32, params))
-        out.append({"step": step, "loss": float(loss), "changed_bf16": stats.changed / stats.numel,
+        out.append({"step": step, "loss": loss.item(), "changed_bf16": stats.changed / stats.numel,
                     "changed_fp32": n32 / stats.numel, "estimate": est / stats.numel,
                     "delta_over_dense": stats.nbytes / stats.dense_bytes, "numel": stats.numel})
         prev16, prev32 = now16, [p.detach().clone() for p in params]

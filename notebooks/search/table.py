@@ -1,11 +1,14 @@
-"""The learning table of the anchor search: `python notebooks/search/table.py RUN_DIR[=LABEL] ...`.
+"""The learning table of the anchor search: `python notebooks/search/table.py [--anchor] RUN_DIR[=LABEL] ...`.
 
 Per run: held-out greedy accuracy at every evaluation, the mean reward of the first and last 10
 steps, the gradient cosines on probe steps (where the direction comes from), the anchor's traffic per
 fire against the dense gradient's size, and seconds per step. Reads metrics.jsonl / eval.jsonl only.
+`--anchor` prints the anchor's side instead: the held sign's age, the anchor link's bytes per step
+and the sequences the anchor replayed per step (its compute, read off anchor.log).
 """
 import json
 import pathlib
+import re
 import statistics
 import sys
 
@@ -38,7 +41,25 @@ def summarize(run: pathlib.Path) -> dict:
     return out
 
 
+def anchor_table(args: list[str]) -> None:
+    print("| run | held-out acc (steps 0, 20, …, 100) | Δ end | anchor/age mean / max | anchor link MB per step "
+          "(up / down) | sequences replayed per step |")
+    print("|---|---|---|---|---|---|")
+    for a in args:
+        path, _, label = a.partition("=")
+        run = pathlib.Path(path)
+        m, acc = rows(run / "metrics.jsonl"), [r["acc"] for r in rows(run / "eval.jsonl")]
+        ages = [r["anchor/age"] for r in m if "anchor/age" in r]
+        log = (run / "anchor" / "anchor.log").read_text() if (run / "anchor" / "anchor.log").is_file() else ""
+        replayed = sum(int(n) for n in re.findall(r"on (\d+) sequences", log))
+        side = (f"{mean(ages):.1f} / {max(ages):.0f} | {mean([r['anchor/bytes_up'] for r in m]) / 1e6:.2f} / "
+                f"{mean([r['anchor/bytes_down'] for r in m]) / 1e6:.3f} | {replayed / len(m):.0f}") if ages else "– | – | 0"
+        print(f"| {label or path} | {' / '.join(f'{x:.3f}' for x in acc)} | {acc[-1] - acc[0]:+.3f} | {side} |")
+
+
 def main(args: list[str]) -> None:
+    if args and args[0] == "--anchor":
+        return anchor_table(args[1:])
     print("| run | held-out acc (steps 0, 20, …, 100) | Δ end | reward first/last 10 | cos(G_comp, G_dense) "
           "| cos(G_corr, G_dense) | sign agreement | s/step |")
     print("|---|---|---|---|---|---|---|---|")
