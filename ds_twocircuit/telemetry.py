@@ -26,6 +26,9 @@ from .metrics import finish_mismatch
 
 LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
           "actor/pg_clipfrac_dual", "actor/entropy"]
+# off-policy steps (several PPO mini-batches or epochs): the first update's Σ w·|log ρ|, exactly 0 when
+# its train pass reproduces the old-policy pass (same weights, same codec keys)
+FIRST_RATIO = "actor/first_update_abs_log_ratio"
 MOVEMENT = ("_d2", "_b2", "_pb", "_p2")
 WIRE = ("_fwd", "_bwd", "_pay", "_dense", "_pay_train", "_dense_train")
 CORRECTION = ["anchor/_agree", "anchor/_numel", "grad/_cd", "grad/_cc", "grad/_dd", "grad/_kd", "grad/_kk"]
@@ -113,7 +116,7 @@ def finish_correction(r: dict[str, float], compared: bool) -> dict[str, float]:
 
 def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -> dict[str, float]:
     """The logged metrics of a step from the summed partials (probe keys on probe steps)."""
-    out = {k: r[k] for k in LOSSES}
+    out = {k: r[k] for k in LOSSES + [FIRST_RATIO] if k in r}
     out.update(finish_mismatch({k: v for k, v in r.items() if k.startswith("rollout_corr/")}))
     if probed:
         probe = {k[len("probe/"):]: v for k, v in r.items() if k.startswith("probe/") and k != "probe/_bytes_fwd"}

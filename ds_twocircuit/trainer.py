@@ -308,6 +308,9 @@ class Trainer:
         if on_policy and p.last_stage:
             olds = [updates[0].old_logp]
         partials = telemetry.owned(telemetry.LOSSES, self._loss_sums(updates) if p.last_stage else None)
+        if not on_policy:
+            first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"]} if p.last_stage else None
+            partials.update(telemetry.owned([telemetry.FIRST_RATIO], first))
         partials.update(telemetry.owned(MISMATCH_SUMS, self._mismatch_sums(shards, olds) if p.last_stage else None))
         partials.update(telemetry.correction_partials(agreement, dots["before"], dots["after"]))
         partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,

@@ -44,16 +44,73 @@ def free_port() -> int:
 FAIL_FAST_S = 25
 
 
-def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False, env=None):
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-           str(ROOT / "launch" / "train.py"), "--ds-config", str(config), "--run-dir", str(run_dir)]
-    cmd += (["--resume"] if resume else []) + list(overrides)
+_WARM: dict = {}
+
+
+def _warm_socket() -> str:
+    """The session's warm launcher (tests/warm_launch.py), started on the first launch: one
+    interpreter imports torch, deepspeed and transformers once and forks each launch's ranks."""
+    if not _WARM:
+        import atexit
+        import signal
+        import sys
+        import tempfile
+        path = os.path.join(tempfile.mkdtemp(prefix="warm"), "sock")
+        log = open(os.path.join(os.path.dirname(path), "server.log"), "w")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "warm_launch.py"), "serve", path], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        atexit.register(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        from warm_launch import wait_ready
+        wait_ready(proc, path)
+        _WARM.update(path=path, proc=proc)
+    return _WARM["path"]
+
+
+def real_launcher() -> bool:
+    """DS_TWOCIRCUIT_TEST_LAUNCHER=deepspeed: every launch through DeepSpeed's own launcher."""
+    return os.environ.get("DS_TWOCIRCUIT_TEST_LAUNCHER", "warm") == "deepspeed"
+
+
+def ds_cmd(nprocs: int, script, *args, real: bool = False) -> list[str]:
+    """`deepspeed --num_gpus N --master_port P script args...`, through the warm launcher unless
+    `real` (the launcher itself under test) or DS_TWOCIRCUIT_TEST_LAUNCHER=deepspeed."""
+    if real or real_launcher():
+        head = [shutil.which("deepspeed") or "deepspeed"]
+    else:
+        import sys
+        head = [sys.executable, str(ROOT / "tests" / "warm_launch.py"), "run", _warm_socket()]
+    return [*head, "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(script), *map(str, args)]
+
+
+def rank_processes(launcher_pid: int) -> dict:
+    """Global rank → the process running it, for a launch started with ds_cmd (real or warm)."""
+    import psutil
+    if _WARM and not real_launcher():
+        pid_file = pathlib.Path(f"{_WARM['path']}.{launcher_pid}.pids")
+        return {int(r): psutil.Process(pid) for r, pid in json.loads(pid_file.read_text()).items()}
+    out = {}
+    for p in psutil.Process(launcher_pid).children(recursive=True):   # launch.py passes --local_rank
+        try:
+            rank = [a for a in p.cmdline() if a.startswith("--local_rank=")]
+            if rank:
+                out[int(rank[0].split("=")[1])] = p
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False, env=None, real=False):
+    cmd = ds_cmd(nprocs, ROOT / "launch" / "train.py", "--ds-config", config, "--run-dir", run_dir,
+                 *(["--resume"] if resume else []), *overrides, real=real)
     return cmd, {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
 
 
-def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True, env=None):
-    """`deepspeed --num_gpus N launch/train.py ...` as a user runs it; → CompletedProcess."""
-    cmd, env = launch_cmd(nprocs, run_dir, *overrides, config=config, resume=resume, env=env)
+def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True, env=None,
+           real=False):
+    """`deepspeed --num_gpus N launch/train.py ...` as a user runs it (warm unless `real`); →
+    CompletedProcess."""
+    cmd, env = launch_cmd(nprocs, run_dir, *overrides, config=config, resume=resume, env=env, real=real)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"launch failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")

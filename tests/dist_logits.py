@@ -33,7 +33,7 @@ def batches():
 def main(model_dir, split, out):
     init_distributed()
     seen = []
-    record = lambda logits, labels: (seen.append(logits.detach()), logits.new_zeros(()))[1]
+    record = lambda logits, labels: (seen.append(logits.detach().float().cpu()), logits.new_zeros(()))[1]
     pipe = TwoCircuitPipe(model_dir, json.loads(split), record)
     engine, *_ = deepspeed.initialize(model=pipe, config={"train_micro_batch_size_per_gpu": 4,
                                                           "gradient_accumulation_steps": 1, "steps_per_print": 10**6})
@@ -51,7 +51,7 @@ def main(model_dir, split, out):
                 worst = max(worst, float((got - ref).abs()[real].max()))
                 assert torch.isfinite(got[real]).all()
         with open(out, "w") as f:
-            json.dump({"max_abs_diff": worst, "stages": pipe.num_stages}, f)
+            json.dump({"max_abs_diff": worst, "stages": pipe.num_stages, "device": str(engine.device)}, f)
     dist.barrier()
 
 

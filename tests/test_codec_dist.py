@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_same_weights, free_port, launch, rows, weights
+from conftest import ROOT, assert_resumed_rows, assert_same_weights, ds_cmd, launch, rows, weights
 from dist_grads import reference_grads
 from ds_twocircuit.control import next_level
 
@@ -32,8 +32,7 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
     train_batch each: each stage's gradients equal plain autograd through the same layers and codec
     in one process (the rotated codec's quantized gradient crosses each cut inside the carrier)."""
     specs = ("3", "32", "r32x4/20x2", "r20x2/20x2")
-    p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "tests/dist_grads.py",
-                        tiny_model, json.dumps(SPLIT), ",".join(specs), str(tmp_path)],
+    p = subprocess.run(ds_cmd(8, "tests/dist_grads.py", tiny_model, json.dumps(SPLIT), ",".join(specs), tmp_path),
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for k in specs:
@@ -115,16 +114,24 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
     assert dense["codec/bytes_bwd"] == r[0]["codec/dense_equiv_bytes_bwd"]
 
 
-def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, tmp_path):
+ROTATED = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
+
+
+@pytest.fixture(scope="module")
+def rotated(tiny_model, tmp_path_factory):
+    """The rotated codec, forward 32 coordinates at 4 bits, backward 20 at 2 bits, 4 steps."""
+    d = tmp_path_factory.mktemp("rotated")
+    launch(8, d, *ROTATED)
+    return d
+
+
+def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, rotated, tmp_path):
     """Forward 32 coordinates at 4 bits (18 B per token), backward 20 at 2 bits (8 B): the p2p layer
     sees exactly 8/128 of the dense gradient bytes back on every cut, the forward 18/128 plus the
     row descriptor; the reference and the policy pass see the same code (KL 0 at step 1); 16
     micro-batches instead of 4 give the same losses, codec-view KL and weights (the code is a token's
-    own); the dense-equivalent counterfactual is what the dense control sent. (Its keys come from
-    Codec._keys, the one derivation PRF shares, whose resume the crash chain proves bitwise.)"""
-    budget = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
-    launch(8, tmp_path / "run", *budget)
-    r = rows(tmp_path / "run")
+    own); the dense-equivalent counterfactual is what the dense control sent."""
+    r = rows(rotated)
     assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-4
     for x in r:
         assert x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * 8 / 128
@@ -137,8 +144,20 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, tm
     cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 2
     (tmp_path / "micro2.json").write_text(json.dumps(cfg))
-    launch(8, tmp_path / "micro2", *budget, config=tmp_path / "micro2.json")
+    launch(8, tmp_path / "micro2", *ROTATED, config=tmp_path / "micro2.json")
     for ra, rb in zip(r, rows(tmp_path / "micro2")):
         for k in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
-    assert_same_weights(weights(tmp_path / "run"), weights(tmp_path / "micro2"))
+    assert_same_weights(weights(rotated), weights(tmp_path / "micro2"))
+
+
+def test_rotated_codec_resumes_bitwise(rotated, tmp_path):
+    """Two steps, then `--resume` to four: the resumed steps' rows, the held-out evaluations and
+    the weights equal the uninterrupted run's bit for bit (the dither's keys and the rotation come
+    back from the step, not from state that a restart loses)."""
+    launch(8, tmp_path, *ROTATED, "train.steps=2")
+    launch(8, tmp_path, *ROTATED, "train.steps=4", resume=True)
+    assert_resumed_rows(rows(rotated), rows(tmp_path), restarts={3})
+    assert rows(rotated, "eval.jsonl") == rows(tmp_path, "eval.jsonl")
+    wa, wb = weights(rotated), weights(tmp_path)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import FAIL_FAST_S, ROOT, TINY, free_port
+from conftest import FAIL_FAST_S, ROOT, TINY, free_port, rows
 from ds_twocircuit.config import ConfigError, check_resume, deepspeed_known_keys, load_config, write_run_config
 
 
@@ -171,3 +171,26 @@ def test_every_key_is_documented_and_listed():
     assert p.returncode == 0, p.stderr
     for key, f in keys:
         assert f"  {key} = " in p.stdout and f.metadata["help"] in p.stdout, key
+
+
+@pytest.mark.dist
+def test_readme_main_command_through_deepspeed(tiny_model, tmp_path):
+    """The README's main command, `deepspeed --num_gpus 8 launch/train.py --ds-config
+    ds_configs/prf95.json`, through DeepSpeed's own launcher (runner, launch.py, 8 processes),
+    with only the model's size and the run's length overridden to the tests' embedded model (the
+    shipped default builds a larger one for minutes): the recipe's PRF boundaries and its anchor
+    process train two steps, evaluate and export."""
+    cfg = json.loads(TINY.read_text())["twocircuit"]
+    tiny = [f"model.tiny.{k}={v}" for k, v in cfg["model"]["tiny"].items()]
+    p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
+                        "--ds-config", "ds_configs/prf95.json", "--run-dir", str(tmp_path), *tiny,
+                        "model.layers_per_stage=[1,1,1,1,1,1,1,1]", f"data.eval_size={cfg['data']['eval_size']}",
+                        "train.steps=2", "train.eval_every=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = rows(tmp_path)
+    assert [x["step"] for x in r] == [1, 2]
+    assert all(x["codec/bytes_bwd"] < 0.1 * x["codec/dense_equiv_bytes_bwd"] for x in r)   # 5 % of 32 channels: 2
+    assert [x["anchor/age"] for x in r] == [0.0, 1.0]          # c = K = 1: fire t replays θ(t − 1)
+    assert [e["step"] for e in rows(tmp_path, "eval.jsonl")] == [0, 2]
+    assert (tmp_path / "model" / "config.json").is_file()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import FAIL_FAST_S, ROOT, TINY, free_port
+from conftest import FAIL_FAST_S, ROOT, TINY, ds_cmd
 from ds_twocircuit.config import ConfigError, TwoCircuitConfig, as_dict, load_config
 
 VALUES = ["-1", "0", "1", "3", "1000000000000", "-1e308", "1e308", "nan", "inf", "-inf", "abc", "''", "[1,2]",
@@ -105,11 +105,11 @@ def refused(n: int, seed: int) -> list[list[str]]:
 @pytest.mark.dist
 @pytest.mark.parametrize("overrides", refused(4, seed=7) + [["grpo.temperature=abc"], ["codec.keep=-3"]])
 def test_fuzzed_overrides_through_the_launcher(tmp_path, overrides):
-    """The real launcher, 8 processes: one 'config error' line, a non-zero exit, no traceback,
-    well before any process group could start (conftest.FAIL_FAST_S)."""
+    """8 launched ranks (warm: DeepSpeed's own launcher is under test in test_config.py): one
+    'config error' line, a non-zero exit, no traceback, well before any process group could start
+    (conftest.FAIL_FAST_S)."""
     t0 = time.time()
-    p = subprocess.run(["deepspeed", "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py",
-                        "--ds-config", str(TINY), "--run-dir", str(tmp_path), *overrides],
+    p = subprocess.run(ds_cmd(8, "launch/train.py", "--ds-config", TINY, "--run-dir", tmp_path, *overrides),
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("config error:")]
     assert p.returncode != 0 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-2000:]

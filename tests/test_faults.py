@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ANCHORED, ROOT, assert_resumed_rows, assert_same_weights, launch, launch_cmd, rows, weights
+from conftest import ANCHORED, ROOT, rank_processes, assert_resumed_rows, assert_same_weights, launch, launch_cmd, rows, weights
 
 pytestmark = pytest.mark.dist
 
@@ -48,17 +48,8 @@ VOLATILE = ("timing/", "anchor/wait")   # wall-clock readings
 
 
 def _trainer_procs(launcher: psutil.Process) -> dict[int, psutil.Process]:
-    """Global rank → the launch's train.py process (DeepSpeed's launcher passes --local_rank)."""
-    out = {}
-    for p in launcher.children(recursive=True):
-        try:
-            cmd = p.cmdline()
-        except psutil.Error:
-            continue
-        rank = next((a.split("=")[1] for a in cmd if a.startswith("--local_rank=")), None)
-        if rank is not None and any(a.endswith("train.py") for a in cmd):
-            out[int(rank)] = p
-    return out
+    """Global rank → the launch's train.py process."""
+    return rank_processes(launcher.pid)
 
 
 def _run_until_killed(tmp_path, after_rows: int, kill, env=None) -> float:
@@ -102,19 +93,15 @@ def _kill_anchor_and_trainer(mailbox):
     return kill
 
 
-def test_crashes_then_resume_continue_the_uninterrupted_trajectory(anchored, tmp_path):
+@pytest.fixture(scope="module")
+def crashed(anchored, tmp_path_factory):
     """ANCHORED (sync mode, anchor on, c = K = 2, a checkpoint every 3 of 12 steps): one run dir taken
     through three crashes and four resumes: a middle stage (rank 3) SIGKILLed at a random point of
     step 5; rank 3 killed as the checkpoint of step 9 starts (the others are writing theirs, so
     `latest` must still name step 6); the anchor and every trainer process killed together at a
-    random point of step 11; then a last resume to the end. Its rows (each written by the launch
-    that last reached that step), its held-out evaluations and its weights must equal the
-    uninterrupted run's bit for bit (this is also the plain resume test: every random draw is
-    keyed by the step), and no step may wait for the anchor longer than the uninterrupted run's
-    longest wait (its first fire, which waits for the anchor process to start) and a margin: 5 s,
-    or 15 s for a launch's first wait, which starts an anchor too."""
-    ref = anchored
-    run, mailbox = tmp_path / "crashed", tmp_path / "crashed" / "anchor"
+    random point of step 11; then a last resume to the end. → (run dir, the random delays used)."""
+    run = tmp_path_factory.mktemp("crashed")
+    mailbox = run / "anchor"
     cmd, env = launch_cmd(8, run, *ANCHORED)
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:   # the first launch is a fresh one: the same kill as _run_until_killed's
@@ -134,23 +121,38 @@ def test_crashes_then_resume_continue_the_uninterrupted_trajectory(anchored, tmp
     delays.append(_run_until_killed(run, 10, _kill_anchor_and_trainer(mailbox)))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step9"
     launch(8, run, *ANCHORED, resume=True)
+    return run, delays
+
+
+def test_crashes_then_resume_continue_the_uninterrupted_trajectory(anchored, crashed):
+    """The crashed run dir's rows (each written by the launch that last reached that step), its
+    held-out evaluations and its weights equal the uninterrupted run's bit for bit (this is also
+    the plain resume test: every random draw is keyed by the step)."""
+    ref, (run, delays) = anchored, crashed
     want, got = rows(ref), rows(run)
+    print("kill delays (s):", delays)
     assert [x["step"] for x in got] == list(range(1, 13))
     assert_resumed_rows(want, got, restarts={4, 7, 10}, volatile=VOLATILE)
-    # each launch's first wait starts its anchor process, as the uninterrupted run's step 1 does; a
-    # resumed one also replays the held fire while 8 ranks start beside it (clean CI, loaded: 11.5 and
-    # 12.7 s against step 1's 6.5 s); a fire lost to the crash would wait anchor.timeout = 60 s
+    assert rows(ref, "eval.jsonl") == rows(run, "eval.jsonl")
+    wa, wb = weights(ref), weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    log = (run / "anchor" / "anchor.log").read_text()
+    assert log.count("reloading") == 0 and "resumed M from" in log, log[-2000:]
+
+
+def test_resumed_launches_wait_for_the_anchor_no_longer_than_a_fresh_one(anchored, crashed):
+    """Wall clock, on the same crashed run dir: no step waits for the anchor longer than the
+    uninterrupted run's longest wait (its first fire, which waits for the anchor process to start)
+    and a margin: 5 s, or 15 s for a launch's first wait, which starts an anchor too and may replay
+    the held fire beside 8 starting ranks (clean CI, loaded: 11.5 and 12.7 s against step 1's
+    6.5 s). A fire lost to a crash would wait anchor.timeout = 60 s."""
+    (run, delays), want = crashed, rows(anchored)
     start_up = max(x["anchor/wait"] for x in want)
-    waits = {x["step"]: x["anchor/wait"] for x in got}
+    waits = {x["step"]: x["anchor/wait"] for x in rows(run)}
     launches = [range(1, 4), range(4, 7), range(7, 10), range(10, 13)]   # the steps each launch wrote
     first = {max(steps, key=waits.get) for steps in launches}            # its start-up wait
     assert all(waits[s] <= start_up + 15.0 for s in first), (waits, delays)
     assert all(w <= start_up + 5.0 for s, w in waits.items() if s not in first), (waits, delays)
-    assert rows(ref, "eval.jsonl") == rows(run, "eval.jsonl")
-    wa, wb = weights(ref), weights(run)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
-    log = (mailbox / "anchor.log").read_text()
-    assert log.count("reloading") == 0 and "resumed M from" in log, log[-2000:]
 
 
 # ---- data parallelism end to end ----------------------------------------------------------------

@@ -35,3 +35,16 @@ def test_the_sampler_holds_the_trainer_weights_rounded_bitwise(anchored):
     assert len(ups) == 5 and all(u < ups[0] for u in ups[1:]), ups
     mailbox = anchored / "anchor"
     assert list((mailbox / "theta").rglob("*.delta")) and steps_in(mailbox / "theta")
+
+
+def test_a_bf16_sampler_beside_an_fp32_trainer_shows_its_gap(anchored, eight):
+    """The same `anchored` run: at its codec-off probes (steps 1, 5, 9) the fp32 pipeline's dense
+    log-probs of the sampled tokens differ from the bf16 sampler's by bf16's rounding, orders of
+    magnitude above the fp32 sampler's float noise (the `eight` run, fp32 on both sides), and the
+    gap is reported, not hidden by the codec's own (the probe is codec-off)."""
+    probes = [x for x in rows(anchored) if "probe/rollout_corr/logp_diff_mean" in x]
+    assert [x["step"] for x in probes] == [1, 5, 9]
+    bf16 = [x["probe/rollout_corr/logp_diff_mean"] for x in probes]
+    fp32 = [x["rollout_corr/logp_diff_mean"] for x in rows(eight)]
+    print("mean |Δ log p| per token, bf16 sampler:", bf16, "fp32 sampler:", fp32)
+    assert max(fp32) < 1e-5 and min(bf16) > 100 * max(fp32) and max(bf16) < 0.5, (bf16, fp32)

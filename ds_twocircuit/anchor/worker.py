@@ -35,6 +35,7 @@ from ..calibration import recording_cuts
 from ..codec.geometry import compressed_cuts, keep_count
 from ..codec.lowrank import refresh_basis, top_basis
 from ..engine import build_pipeline, init_distributed
+from ..faults import fault_point
 from ..grpo.loss import LossCoefs
 from ..grpo.rollouts import Rollout
 from . import mailbox as mb
@@ -131,6 +132,7 @@ class AnchorWorker:
     def fire(self, req: dict) -> None:
         t0 = time.perf_counter()
         f, s = req["fire"], req["weights_step"]
+        fault_point("fire", f, who=f"anchor{os.environ.get('DS_TWOCIRCUIT_ANCHOR_START', '0')}")
         layouts = [mb.manifest_shapes(mb.theta_path(self.root, s, i)) for i in range(req["stages"])]
         theta = self._read_theta(s, layouts)
         if req.get("older_step") is not None:

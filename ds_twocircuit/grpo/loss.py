@@ -65,6 +65,7 @@ def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: 
             "actor/pg_loss": (w * pg_dual).sum(),
             "actor/kl_loss": (w * kl).sum(),
             "actor/ppo_kl": (w * -log_ratio).sum(),
+            "actor/abs_log_ratio": (w * log_ratio.abs()).sum(),   # 0 exactly iff every ratio is 1
             "actor/pg_clipfrac": (w * (clipped_up | clipped_low).float()).sum(),
             "actor/pg_clipfrac_lower": (w * clipped_low.float()).sum(),
             "actor/pg_clipfrac_dual": (w * dual.float()).sum(),
