@@ -5,12 +5,22 @@ Nothing here can be downloaded, so the path a user takes with `model.path=<a Qwe
 
 - `DIR/math/{train,test}.{jsonl,parquet}`: MATH-style rows (`problem`, `solution` ending in
   `\\boxed{}`, `answer`, `type`, `level`), generated from templates, not copied from MATH: integers,
-  fractions, polynomial expansions, intervals, radicals and ordered pairs, so math-verify meets
-  every answer form it has to compare. Deterministic for a seed; test rows are disjoint from train.
-- `DIR/model/`: a random-init model of the Qwen2.5 architecture (grouped-query attention with 4
-  query heads over 2 key-value heads of width 32, q/k/v biases, tied embeddings, RoPE θ = 10⁶),
-  8 layers so 8 pipeline stages hold one each, and a byte-level BPE tokenizer trained here with
-  `tokenizers` on the fixture text, with Qwen's special tokens and its ChatML chat template.
+  fractions, polynomial expansions, intervals, radicals, ordered pairs, and remainders mod 2 and 3
+  (the easy kinds), so math-verify meets every answer form it has to compare. Deterministic for a
+  seed; test rows are disjoint from train.
+- `DIR/model/`: a model of the Qwen2.5 architecture (grouped-query attention with 4 query heads over
+  2 key-value heads of width 32, q/k/v biases, tied embeddings, RoPE θ = 10⁶), 8 layers so 8
+  pipeline stages hold one each, and a byte-level BPE tokenizer trained here with `tokenizers` on the
+  fixture text, with Qwen's special tokens and its ChatML chat template.
+- The model is warm-started from its random init (`warm_start`): 160 AdamW steps of 8 train rows,
+  the chat-templated prompt (half of them with `SYSTEM_PROMPT` as the system turn) → `\\boxed{answer}`
+  and eos, loss on the completion only. It then writes a boxed answer of the row's form but knows
+  no arithmetic: at T = 1 it gets a remainder row right with probability ≈ 0.3 (0.31 mod 2, 0.26
+  mod 3, a guess among the possible remainders) and almost nothing else right. So a GRPO group of
+  a remainder row usually has mixed rewards and a nonzero advantage, which a random-init model
+  (every reward 0) never gives. One thread and a seeded generator: deterministic for a seed on a
+  given CPU type. The warm start is most of the build: ≈ 34 s of one core (the whole build took
+  7 s before it), 27–65 s of wall time on a 2-core machine as loaded by other work.
 """
 import argparse
 import json
@@ -19,6 +29,8 @@ import random
 from fractions import Fraction
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# the system turn half the warm start's prompts carry (the user-path tests set it as data.system_prompt)
+SYSTEM_PROMPT = "You are a careful solver."
 # Qwen2.5's ChatML template, reduced to what a GRPO prompt needs: an optional system turn, a user
 # turn, and the assistant's turn opened when add_generation_prompt is set
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -72,7 +84,16 @@ def _pair(rng):
             "Give the answer as an ordered pair $(x, y)$.", f"({x}, {y})")
 
 
-KINDS = [_integer, _fraction, _expansion, _interval, _radical, _pair]
+def _remainder(m):
+    """An easy kind: m possible answers, so a model that has learnt only the answer's form guesses
+    right about 1/m of the time (the rows GRPO's first steps get mixed rewards on)."""
+    def kind(rng):
+        n = rng.randint(10, 999)
+        return "Number Theory", f"What is the remainder when ${n}$ is divided by ${m}$?", str(n % m)
+    return kind
+
+
+KINDS = [_integer, _fraction, _expansion, _interval, _radical, _pair, _remainder(2), _remainder(3)]
 
 
 def math_rows(n: int, seed: int) -> list[dict]:
@@ -131,14 +152,75 @@ def build_model(vocab_size: int, pad_id: int, eos_id: int, layers: int, seed: in
     return Qwen2ForCausalLM(cfg)
 
 
+def warm_start(model, tok, rows: list[dict], steps: int = 160, batch: int = 8, lr: float = 3e-3,
+               seed: int = 0) -> list[float]:
+    """Supervised steps on `rows` (the train split): the chat-templated prompt, as the trainer builds
+    it (data.chat_template=true), with or without `SYSTEM_PROMPT` as its system turn (drawn per
+    row and step), followed by `\\boxed{answer}` and eos; token-mean cross-entropy on that completion
+    only. AdamW, no weight decay, lr warmed up linearly over 10 steps. → the loss per step.
+
+    One thread (restored after) and a seeded generator, so the weights are a function of the seed on
+    a given CPU type, not of the machine's core count or load."""
+    import torch
+    from ds_twocircuit.data.math_rows import math_prompt
+
+    def encode(system: str):
+        head = [{"role": "system", "content": system}] if system else []
+        seqs = []
+        for r in rows:
+            text = tok.apply_chat_template(head + [{"role": "user", "content": math_prompt(r["problem"])}],
+                                           tokenize=False, add_generation_prompt=True)
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
+            answer = tok(f"\\boxed{{{r['answer']}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            seqs.append((prompt, answer))
+        return seqs
+
+    seqs = encode("") + encode(SYSTEM_PROMPT)          # row i, then row i with the system turn
+    T = max(len(p) + len(a) for p, a in seqs)
+    ids = torch.full((len(seqs), T), tok.pad_token_id)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    target = torch.zeros((len(seqs), T - 1), dtype=torch.bool)   # positions whose next token is the completion's
+    for i, (p, a) in enumerate(seqs):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        attn[i, :len(p) + len(a)] = 1
+        target[i, len(p) - 1:len(p) + len(a) - 1] = True
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        model.train()
+        losses = []
+        for _ in range(steps):
+            row = torch.randint(len(rows), (batch,), generator=gen)
+            idx = row + len(rows) * torch.randint(2, (batch,), generator=gen)    # with the system turn or not
+            L = int(attn[idx].sum(1).max())
+            hidden = model.model(input_ids=ids[idx, :L], attention_mask=attn[idx, :L]).last_hidden_state
+            on = target[idx, :L - 1]                   # the head only where a completion token is next
+            loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][on]), ids[idx, 1:L][on])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        model.eval()
+        return losses
+    finally:
+        torch.set_num_threads(threads)
+
+
 def make_fixtures(out: pathlib.Path, n_train: int = 320, n_test: int = 80, vocab_size: int = 1024,
-                  layers: int = 8, seed: int = 0) -> dict[str, pathlib.Path]:
-    """→ {"model": HF dir, "train": jsonl, "test": jsonl} under `out` (parquet beside each jsonl)."""
+                  layers: int = 8, seed: int = 0, warm_steps: int = 160) -> dict[str, pathlib.Path]:
+    """→ {"model": HF dir, "train": jsonl, "test": jsonl} under `out` (parquet beside each jsonl).
+    `warm_steps=0`: the random-init model, no warm start."""
     splits = write_splits(out / "math", n_train, n_test, seed)
     from ds_twocircuit.data.math_rows import math_prompt
     texts = [math_prompt(r["problem"]) + "\n" + r["solution"] for part in splits.values() for r in part]
     tok = train_tokenizer(texts, vocab_size)
     model = build_model(len(tok), tok.pad_token_id, tok.eos_token_id, layers, seed)
+    if warm_steps:
+        warm_start(model, tok, splits["train"], warm_steps, seed=seed)
     model.save_pretrained(out / "model")
     tok.save_pretrained(out / "model")
     return {"model": out / "model", "train": out / "math" / "train.jsonl", "test": out / "math" / "test.jsonl"}
@@ -151,8 +233,9 @@ def main(argv=None) -> None:
     p.add_argument("--test", type=int, default=80, help="held-out rows")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (8: one per pipeline stage)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-steps", type=int, default=160, help="supervised warm-start steps (0: random init)")
     a = p.parse_args(argv)
-    paths = make_fixtures(pathlib.Path(a.out), a.train, a.test, layers=a.layers, seed=a.seed)
+    paths = make_fixtures(pathlib.Path(a.out), a.train, a.test, layers=a.layers, seed=a.seed, warm_steps=a.warm_steps)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
 
 

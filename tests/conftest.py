@@ -158,8 +158,8 @@ def stages(n_stages: int, n_layers: int = 8) -> str:
 
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict:
-    """launch/make_fixtures.py's stand-ins for a user's model and data: a random-init Qwen2.5-layout
-    model with a byte-level BPE tokenizer and chat template, MATH-style rows (about 15 s)."""
+    """launch/make_fixtures.py's stand-ins for a user's model and data: a warm-started Qwen2.5-layout
+    model with a byte-level BPE tokenizer and chat template, MATH-style rows (about 40 s)."""
     import sys
     sys.path.insert(0, str(ROOT / "launch"))
     from make_fixtures import make_fixtures

@@ -159,10 +159,13 @@ def test_fixture_rows_cover_the_answer_forms_and_verify_against_themselves(fixtu
     answers = [r["answer"] for r in train]
     assert any("\\frac" in a for a in answers) and any("x^2" in a for a in answers) and any("\\sqrt" in a for a in answers)
     assert any(a[0] in "([" and a[-1] in ")]" and "," in a for a in answers) and any(a.lstrip("-").isdigit() for a in answers)
+    assert {r["answer"] for r in train if r["type"] == "Number Theory"} == {"0", "1", "2"}     # remainders mod 2 and 3
     v = MathVerifier(timeout_s=5)
     try:
         assert all(v(r["solution"], r["answer"]) == 1.0 for r in train[:60] + test[:30])
-        assert sum(v(a["solution"], b["answer"]) for a, b in zip(train[:60], train[1:61])) == 0.0
+        # a neighbour's answer (another kind, or a remainder with another value) does not verify
+        others = [(a, b) for a, b in zip(train[:60], train[1:61]) if a["answer"] != b["answer"]]
+        assert len(others) > 50 and sum(v(a["solution"], b["answer"]) for a, b in others) == 0.0
     finally:
         v.close()
     as_parquet = load_math_rows(str(fixtures["train"].with_suffix(".parquet")), "train", "problem", "answer")
@@ -180,6 +183,43 @@ def test_fixture_model_has_the_qwen25_layout_and_a_bpe_tokenizer(fixtures):
     text = "Solve $\\frac{1}{2} < x$: 答案 ½ \\boxed{(1, 3]}"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text and len(ids) < len(text.encode())      # byte-level BPE: merges, lossless
+
+
+def test_fixture_model_is_warm_started_to_mixed_rewards(fixtures):
+    """The warm start (make_fixtures.warm_start) leaves a model that writes `\\boxed{...}<|im_end|>`
+    and, at T = 1, gets a remainder row right with a probability well inside (0, 1): a group of 4
+    samples of such a row has mixed rewards, the nonzero advantage GRPO learns from. Probabilities
+    teacher-forced on the chat prompt with the user-path tests' system turn, on the train rows."""
+    import torch
+    from make_fixtures import SYSTEM_PROMPT
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(fixtures["model"])
+    m = AutoModelForCausalLM.from_pretrained(fixtures["model"]).eval()
+    train = [json.loads(l) for l in fixtures["train"].read_text().splitlines()]
+    seqs = []
+    for r in train[:160]:
+        chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": math_prompt(r["problem"])}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        answer = tok(f"\\boxed{{{r['answer']}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append((prompt, answer))
+    T = max(len(a) + len(b) for a, b in seqs)
+    ids = torch.tensor([a + b + [tok.pad_token_id] * (T - len(a) - len(b)) for a, b in seqs])
+    attn = (torch.arange(T) < torch.tensor([len(a) + len(b) for a, b in seqs])[:, None]).long()
+    with torch.no_grad():
+        logp = torch.log_softmax(m(input_ids=ids, attention_mask=attn).logits, -1)
+    p, form = {}, {}
+    for r, (prompt, answer), lp in zip(train, seqs, logp):
+        at = lp[len(prompt) - 1:len(prompt) + len(answer) - 1]
+        token_logp = at.gather(-1, torch.tensor(answer)[:, None]).squeeze(-1)
+        p.setdefault(r["type"], []).append(token_logp.sum().exp().item())
+        form.setdefault(r["type"], []).append(token_logp[[0, 1, -1]].sum().exp().item())   # `\\`, `boxed`, eos
+    rem = torch.tensor(p["Number Theory"])
+    mixed = 1 - rem ** 4 - (1 - rem) ** 4                  # P(a group of 4 is neither all right nor all wrong)
+    print({k: round(sum(v) / len(v), 3) for k, v in form.items()}, "remainders:", rem.mean().item(), mixed.mean().item())
+    assert 0.15 < rem.mean() < 0.6 and mixed.mean() > 0.6, (rem.mean(), mixed.mean())
+    # the form is learnt on every kind: `\\boxed` first, eos after the answer
+    assert all(sum(v) / len(v) > 0.8 for v in form.values()), form
 
 
 def test_chat_template_wraps_prompts_and_counts_in_their_length(fixtures):
