@@ -119,7 +119,7 @@ def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, o
     fit_shapes(p, batch.ids_NT.shape[1])
     w = batch.resp_NT1 / max(ntok, 1.0)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
-    with p.loss.running(loss):
+    with p.loss.running(loss), micro_batch_count(p.engine, batch.ids_NT.shape[0] // p.micro):
         p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1)))
     old = torch.cat(loss.logps) if old_is_current and p.last_stage else None
     return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
@@ -165,6 +165,19 @@ def forward_backward(engine, data_iter) -> None:
     engine.module.train()
     engine.total_loss, engine.total_additional_losses, engine._compute_loss = None, None, True
     engine._exec_schedule(_NoOptimizerStep(engine._train_schedule()))
+
+
+@contextlib.contextmanager
+def micro_batch_count(engine, n: int):
+    """`train_batch` over n micro-batches instead of the configured gradient-accumulation steps (a
+    batch with sequences left out). DeepSpeed's schedule reads `engine.micro_batches`; its gradient
+    scaling stays 1/gradient_accumulation_steps per micro-batch, which the loss's scale undoes, so the
+    gradient is the token-mean sum over the micro-batches that ran."""
+    configured, engine.micro_batches = engine.micro_batches, n
+    try:
+        yield
+    finally:
+        engine.micro_batches = configured
 
 
 @contextlib.contextmanager

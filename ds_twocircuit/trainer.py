@@ -2,11 +2,14 @@
 
     prompts ─► sampler (dense θ_t, rank 0) ─► completions + sampler log-probs ─► verifier ─► rewards
             ─► group advantages ─► broadcast to all stages
+            ─► [grpo.ref_logprobs = sampler] rank 0's dense base model: reference log-probs of the
+               response tokens, broadcast as per-token floats (sampler/reference.py)
             ─► [anchor] rank 0 ships θ_t and the batch at the fire schedule's steps; every rank
                adopts a newly published sign(M) at the same step (anchor/link.py)
             ─► [probe step] codec off: dense log-probs, the true drift, the dense gradient
-            ─► pipeline eval (codec keyed by t): reference log-probs (base weights), old log-probs
-               (when > 1 update)
+            ─► pipeline eval (codec keyed by t): reference log-probs (base weights; unless they came
+               from the sampler's rank), old log-probs (when > 1 update)
+            ─► [grpo.skip_zero_advantage] only the sequences with a non-zero advantage enter the updates
             ─► pipeline train_batch per PPO mini-batch, the optimizer's pre-hooks in order: true-norm
                clip, gradient comparison (probe), sign correction, gradient comparison ─► θ_{t+1}
             ─► dense weights gathered from the stages to the sampler ─► the step's metrics on rank 0
@@ -46,14 +49,16 @@ from .engine import build_pipeline
 from .faults import fault_point
 from .grads import GradientComparison, GradientViews
 from .guard import FiniteGuard, Verdict
-from .grpo.advantages import group_advantages
+from .grpo.advantages import group_advantages, zero_advantage_groups
 from .grpo.loss import LossCoefs, k3_kl
-from .grpo.rollouts import Rollout, minibatch_shards, response_lengths
+from .grpo.rollouts import (Rollout, minibatch_shards, nonzero_advantage_rows, nonzero_advantage_tokens,
+                            response_lengths, shard_slices)
 from .logger import RunLogger
 from .metrics import MISMATCH_SUMS, Trend, mismatch_sums
 from .model.weights import export_pipeline
 from .sampler import build_sampler
 from .sampler.hf import greedy_accuracy
+from .sampler.reference import ReferenceLogProbs, pack, unpack
 from .weight_sync import WeightSync, dump_for_tests
 from .wire import WireCounter
 
@@ -62,6 +67,10 @@ from .wire import WireCounter
 class Probe:
     partials: dict[str, float]                 # probe/... sums (telemetry.py) and its forward bytes
     grads: dict[str, torch.Tensor] | None      # the dense gradient by HF name (per-parameter precision only)
+
+
+# loss-side sums that are diagnostics per token, not terms of the loss (see Trainer._loss_sums)
+PER_UPDATED_TOKEN = ("actor/kl_loss", "actor/ppo_kl", "actor/entropy", "actor/abs_log_ratio")
 
 
 class Trainer:
@@ -113,6 +122,8 @@ class Trainer:
                       f"{self.tc.data.max_prompt_len} tokens", flush=True)
         write_run_config(run, self.run_dir)
         self.sampler = build_sampler(self.model_dir, self.tc)
+        self.reference = (ReferenceLogProbs(self.model_dir, self.tc.model.attn_implementation)
+                          if self.tc.grpo.ref_logprobs == "sampler" else None)
         self.shapes = self.sampler.weight_shapes()
         self.logger = RunLogger(self.run_dir, {"twocircuit": as_dict(self.tc), **run.ds},
                                 self.tc.log.wandb, self.tc.log.project, self.start + 1 if resume else None)
@@ -189,6 +200,7 @@ class Trainer:
         steps were skipped, the same on every rank)."""
         t0 = time.perf_counter()
         rollout = self.rollout(t)
+        ref_NT1 = self.sampler_reference(t, rollout)
         t1 = time.perf_counter()
         anchor_row = {}
         if self.anchor:
@@ -198,11 +210,15 @@ class Trainer:
                 if new.bases:
                     self.p.codec.set_bases(new.bases)
         t2 = time.perf_counter()
-        shards = minibatch_shards(rollout, self.tc.grpo.ppo_mini_batches, self.p.dp, self.p.dp_rank)
-        probe = self.probe(shards[0]) if self.probe_step(t) else None
+        g = self.tc.grpo
+        shards = minibatch_shards(rollout, g.ppo_mini_batches, self.p.dp, self.p.dp_rank)
+        refs = [ref_NT1[s] for s in shard_slices(len(ref_NT1), g.ppo_mini_batches, self.p.dp, self.p.dp_rank)] \
+            if ref_NT1 is not None else None
+        probe = self.probe(shards[0], refs[0] if refs else None) if self.probe_step(t) else None
         dense = self.dense_step(t)
+        kept = nonzero_advantage_tokens(rollout, g.ppo_mini_batches) if g.skip_zero_advantage else None
         with self.p.codec.off() if dense else contextlib.nullcontext():   # dense step: every pass uncompressed
-            partials, grad_norm, verdict = self.update(t, shards, probe)
+            partials, grad_norm, verdict = self.update(t, shards, probe, refs, kept)
         sums = telemetry.sum_to_rank0(partials)
         t3 = time.perf_counter()
         self.theta, sync_row = self.sync_sampler(t + 1)
@@ -214,6 +230,7 @@ class Trainer:
         compared = probe is not None and probe.grads is not None
         return {"step": t + 1, **telemetry.finish(sums, self.p.num_stages, probe is not None, compared),
                 "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
+                **self._group_shares(rollout), **self._ref_bytes(ref_NT1, rollout),
                 **response_lengths(rollout, self.eos_id, self.tc.grpo.max_new_tokens),
                 "actor/grad_norm": grad_norm, "actor/lr": self.p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
@@ -263,20 +280,47 @@ class Trainer:
                          torch.arange(len(answers))).tensors()
         return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
 
+    def sampler_reference(self, t: int, rollout: Rollout) -> torch.Tensor | None:
+        """With grpo.ref_logprobs = sampler: rank 0's dense base model's log π_ref of the step's response
+        tokens, (N, T−1), on every rank; only the response tokens' floats are broadcast. None where the
+        pipeline computes them, or no pass of step t needs them (β = 0 and no probe)."""
+        if self.tc.grpo.ref_logprobs != "sampler" or not (self.coefs.kl_coef > 0 or self.probe_step(t)):
+            return None
+        r = rollout
+        if self.rank0:
+            with all_threads():
+                flat = pack(self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature), r.resp_NT1)
+        else:
+            flat = torch.empty(int((r.resp_NT1 > 0).sum()))
+        dist.broadcast(flat, src=0)
+        return unpack(flat, r.resp_NT1)
+
+    def _group_shares(self, r: Rollout) -> dict[str, float]:
+        """The share of the step's groups whose rewards are all equal (advantage 0), and of those left
+        out of the update."""
+        share = float(zero_advantage_groups(r.rewards_N, self.tc.grpo.group_size).float().mean())
+        return {"train/zero_advantage_groups": share,
+                **({"train/skipped_groups": share} if self.tc.grpo.skip_zero_advantage else {})}
+
+    @staticmethod
+    def _ref_bytes(ref_NT1: torch.Tensor | None, r: Rollout) -> dict[str, float]:
+        """The reference log-probs' bytes to the last stage(s): one float32 per response token."""
+        return {} if ref_NT1 is None else {"codec/bytes_ref_logprobs": 4.0 * float((r.resp_NT1 > 0).sum())}
+
     # ---- training ---------------------------------------------------------------------------
-    def probe(self, shard: tuple[Rollout, float]) -> Probe:
+    def probe(self, shard: tuple[Rollout, float], sampler_ref: torch.Tensor | None) -> Probe:
         """Codec off, current weights, the step's first mini-batch: the dense log-probs of the
         sampled tokens (→ probe/rollout_corr/*, the mismatch without the codec's part) and of the
         reference (→ probe/actor/kl_loss, the true drift the controller reads, in every precision);
         with per-parameter gradients also the dense gradient, which the optimizer's hooks compare
         with the compressed and the corrected one (grad/cos_*), and the dense entropy. Its wire
-        bytes are kept apart."""
+        bytes are kept apart. The reference log-probs come from the sampler's rank when it sent them."""
         mb, ntok = shard
         w = mb.resp_NT1 / max(ntok, 1.0)
         grads, view = None, {}
         with self.p.codec.off(), self.wire.counting() as wire:
             dense = passes.logprobs(self.p, mb)
-            ref = passes.logprobs(self.p, mb, self.base)
+            ref = sampler_ref if sampler_ref is not None else passes.logprobs(self.p, mb, self.base)
             view["actor/kl_loss"] = float((w * k3_kl(dense, ref)).sum())   # the true drift
             if self.p.per_param_grads:
                 grads, sums = passes.dense_gradient(self.p, mb, ntok, ref, self.coefs)
@@ -285,17 +329,24 @@ class Trainer:
         partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
         return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads)
 
-    def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None) -> tuple[dict, float, Verdict]:
+    def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None,
+               sampler_refs: list[torch.Tensor] | None, kept: list[float] | None) -> tuple[dict, float, Verdict]:
         """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t.
-        → (this rank's metric partials, the mean gradient norm of its optimizer steps, which of them
-        were skipped for non-finite values)."""
+        `sampler_refs`: each shard's reference log-probs from the sampler's rank (else a pipeline pass
+        computes them); `kept`: with grpo.skip_zero_advantage, each mini-batch's response tokens of
+        non-zero advantage, and only those sequences enter the passes (the loss keeps the whole
+        mini-batch's token count, so the update is the same at β = 0). → (this rank's metric partials,
+        the mean gradient norm of its optimizer steps, which of them were skipped for non-finite values)."""
         g, p = self.tc.grpo, self.p
         on_policy = g.ppo_mini_batches * g.ppo_epochs == 1
+        if kept is not None:
+            shards = [(nonzero_advantage_rows(mb, p.micro)[0], ntok) for mb, ntok in shards]
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
         correcting = self.correction.applying(self.sign) if self.correction else contextlib.nullcontext()
         with p.codec.keyed(t), self.wire.counting() as wire:
             with p.codec.counting() as eval_pay:
-                refs = [passes.logprobs(p, mb, self.base) for mb, _ in shards] if self.coefs.kl_coef > 0 else zeros
+                refs = zeros if self.coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
+                    [passes.logprobs(p, mb, self.base) for mb, _ in shards]
                 olds = zeros if on_policy else [passes.logprobs(p, mb) for mb, _ in shards]
             with p.codec.counting() as train_pay, correcting as agreement, self.guard.checking(t) as verdict:
                 updates, dots = [], None
@@ -305,13 +356,16 @@ class Trainer:
                         with self.compare.comparing(probe.grads if probe and dots is None else None) as d:
                             updates.append(passes.update(p, mb, ntok, old, ref, self.coefs, on_policy))
                         dots = dots or d
+        # the means over the tokens that entered the passes: the kept ones' count
+        means = shards if kept is None else [(mb, k) for (mb, _), k in zip(shards, kept)]
+        scale = [1.0] * len(shards) if kept is None else [ntok / k if k else 0.0 for (_, ntok), k in zip(shards, kept)]
         if on_policy and p.last_stage:
             olds = [updates[0].old_logp]
-        partials = telemetry.owned(telemetry.LOSSES, self._loss_sums(updates) if p.last_stage else None)
+        partials = telemetry.owned(telemetry.LOSSES, self._loss_sums(updates, scale) if p.last_stage else None)
         if not on_policy:
-            first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"]} if p.last_stage else None
+            first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"] * scale[0]} if p.last_stage else None
             partials.update(telemetry.owned([telemetry.FIRST_RATIO], first))
-        partials.update(telemetry.owned(MISMATCH_SUMS, self._mismatch_sums(shards, olds) if p.last_stage else None))
+        partials.update(telemetry.owned(MISMATCH_SUMS, self._mismatch_sums(means, olds) if p.last_stage else None))
         partials.update(telemetry.correction_partials(agreement, dots["before"], dots["after"]))
         partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,
                                                     counted=p.dp_rank == 0))
@@ -324,12 +378,14 @@ class Trainer:
         return partials, grad_norm, verdict
 
     @staticmethod
-    def _loss_sums(updates: list[passes.Update]) -> dict[str, torch.Tensor]:
-        """The token-mean sums of the step's updates, averaged over them."""
+    def _loss_sums(updates: list[passes.Update], scale: list[float]) -> dict[str, torch.Tensor]:
+        """The token-mean sums of the step's updates, averaged over them; the diagnostics that are
+        means per token (not terms of the loss) × `scale` of their mini-batch, which makes them means
+        over the tokens that entered the update when some were left out."""
         total = defaultdict(lambda: torch.zeros(()))
-        for u in updates:
+        for i, u in enumerate(updates):
             for k, v in u.sums.items():
-                total[k] = total[k] + v
+                total[k] = total[k] + (v * scale[i % len(scale)] if k in PER_UPDATED_TOKEN else v)
         return {k: v / len(updates) for k, v in total.items()}
 
     @staticmethod

@@ -30,6 +30,16 @@ declare -A RUNS=(
   [rot4_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
   [prf95_s1]="hf ds_configs/prf95.json train.seed=1 codec.seed=1"
   [rot8_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
+  # the exact savings: the reference log-probs beside the sampler (β = 0.001), and β = 0 with the
+  # zero-advantage groups left out of the update (no reference pass at all)
+  [prf95_refs]="hf ds_configs/prf95.json grpo.ref_logprobs=sampler"
+  [rot4_refs]="hf ds_configs/rotated.json grpo.ref_logprobs=sampler"
+  [dense_b0_skip]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true"
+  [rot4_b0_skip]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true"
+  [prf95_refs_s1]="hf ds_configs/prf95.json grpo.ref_logprobs=sampler train.seed=1 codec.seed=1"
+  [rot4_refs_s1]="hf ds_configs/rotated.json grpo.ref_logprobs=sampler train.seed=1 codec.seed=1"
+  [dense_b0_skip_s1]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
+  [rot4_b0_skip_s1]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)

@@ -38,6 +38,8 @@ def write(tmp_path, mutate):
     (lambda c: None, ["data.max_prompt_len=0"], "data.max_prompt_len"),
     (lambda c: None, ["data.chat_template=true"], "data.chat_template=true but the embedded model"),
     (lambda c: None, ["sampler.backend=sglang"], "sampler.backend"),
+    (lambda c: None, ["grpo.ref_logprobs=vllm"], "grpo.ref_logprobs='vllm'"),
+    (lambda c: None, ["grpo.skip_zero_advantage=true"], "grpo.skip_zero_advantage=true needs grpo.kl_coef=0"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.bwd_bits=0"], "codec.bwd_bits"),

@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
-from ds_twocircuit.grpo.advantages import group_advantages
+from ds_twocircuit.grpo.advantages import group_advantages, zero_advantage_groups
 from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from ds_twocircuit.grpo.rollouts import Rollout, nonzero_advantage_rows, nonzero_advantage_tokens
+from ds_twocircuit.sampler.reference import pack, unpack
 
 C = LossCoefs(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_coef=0.1)
 
@@ -77,6 +79,37 @@ def test_group_advantages_closed_form():
     std = torch.tensor([1.0, 0, 0, 0]).std()
     torch.testing.assert_close(adv[:4], (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (std + 1e-6))
     assert torch.equal(adv[4:], torch.zeros(4))           # no signal in a solved group
+
+
+def test_all_equal_groups_get_exactly_zero_advantage():
+    """In float32 the mean of (0.9, 0.9, 0.9) is not 0.9: r − mean leaves a 6e-8 residue and the std
+    another, and (r − mean) / (std + ε) made advantages of up to 0.056 out of them (measured before
+    the fix). All-equal groups get exactly 0."""
+    r = torch.tensor([0.9, 0.9, 0.9, 1.0, 0.0, 0.0, 0.7, 0.7, 0.7])
+    adv = group_advantages(r, 3)
+    assert torch.equal(adv[:3], torch.zeros(3)) and torch.equal(adv[6:], torch.zeros(3))
+    assert torch.equal(zero_advantage_groups(r, 3), torch.tensor([True, False, True]))
+    assert torch.allclose(adv[3:6], torch.tensor([2.0, -1.0, -1.0]) / 3 ** 0.5, atol=1e-5)
+
+
+def test_nonzero_advantage_rows_keep_their_order_and_pad_with_weight_zero():
+    n, T = 8, 5
+    r = Rollout(torch.arange(n * T).view(n, T), torch.ones(n, T, dtype=torch.long), torch.ones(n, T - 1),
+                torch.zeros(n, T - 1), torch.zeros(n), torch.tensor([0, 0, 1., -1, 0, 0, 2, -2]), torch.arange(n))
+    out, idx = nonzero_advantage_rows(r, micro=3)
+    assert idx.tolist() == [2, 3, 6, 7, -1, -1]
+    assert out.sample_id_N.tolist() == [2, 3, 6, 7, 2, 2]
+    assert out.resp_NT1.sum(1).tolist() == [4, 4, 4, 4, 0, 0]
+    assert nonzero_advantage_tokens(r, 2) == [8.0, 8.0]
+    none, idx = nonzero_advantage_rows(Rollout(*[t[:2] for t in r.tensors()]), micro=3)
+    assert idx.tolist() == [-1, -1, -1] and none.resp_NT1.sum() == 0    # one micro-batch of weight 0
+
+
+def test_reference_logprobs_travel_as_the_response_tokens_only():
+    resp = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1.]])
+    values = torch.randn(2, 4) * resp
+    flat = pack(values, resp)
+    assert flat.shape == (4,) and torch.equal(unpack(flat, resp), values)
 
 
 def test_token_logprobs_temperature():

@@ -32,6 +32,12 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
     g = tc.grpo
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: group-normalised advantages need at least 2 samples")
+    if g.ref_logprobs not in ("pipeline", "sampler"):
+        raise ConfigError(f"grpo.ref_logprobs='{g.ref_logprobs}': expected 'pipeline' or 'sampler'")
+    if g.skip_zero_advantage and (g.kl_coef > 0 or tc.control.enabled):
+        raise ConfigError(f"grpo.skip_zero_advantage=true needs grpo.kl_coef=0 (it is {g.kl_coef}"
+                          f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "
+                          "sequence's gradient is exactly zero only without the KL term")
     if g.temperature <= 0:
         raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
     if tc.data.max_prompt_len < 1:

@@ -82,6 +82,12 @@ class GRPOConfig:
     adv_eps: float = opt(1e-6, "ε in (r − mean) / (std + ε)", lo=0)
     ppo_mini_batches: int = opt(1, "optimizer steps per rollout batch (per epoch)", lo=1)
     ppo_epochs: int = opt(1, "passes over each rollout batch", lo=1)
+    ref_logprobs: str = opt("pipeline", "where the reference policy's log-probs come from: 'pipeline' (a pass of "
+                            "the base weights through the compressed pipeline) | 'sampler' (a dense fp32 model of "
+                            "the base weights on the sampler's rank, sent to the last stage as per-token floats)")
+    skip_zero_advantage: bool = opt(False, "leave the sequences of groups whose rewards are all equal (advantage "
+                                    "exactly 0) out of the pipeline's update passes; their gradient is exactly 0 "
+                                    "only at grpo.kl_coef=0, which it requires")
 
 
 @dataclass

@@ -5,6 +5,7 @@ prompt, right-padded response). "Target coordinates" (T−1 columns) index the p
 column j is the log-probability of ids[:, j+1] given ids[:, :j+1], so logits of position j score
 target j, and every per-token tensor below lives there.
 """
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -35,6 +36,9 @@ class Rollout:
         rows = torch.tensor([g * group_size + j for g in idx for j in range(group_size)], dtype=torch.long)
         return Rollout(*[t[rows] for t in self.tensors()])
 
+    def rows(self, idx: torch.Tensor) -> "Rollout":
+        return Rollout(*[t[idx] for t in self.tensors()])
+
     @property
     def num_response_tokens(self) -> float:
         return float(self.resp_NT1.sum())
@@ -53,13 +57,37 @@ def response_lengths(r: Rollout, eos_id: int, max_new_tokens: int) -> dict[str, 
             "response_length/min": float(len_N.min()), "response_length/clip_ratio": float(clipped_N.float().mean())}
 
 
+def shard_slices(n: int, mini_batches: int, dp: int, dp_rank: int) -> list[slice]:
+    """The rows of this data-parallel replica's part of each PPO mini-batch of an n-row batch."""
+    size = n // mini_batches
+    part = size // dp
+    return [slice(m * size + dp_rank * part, m * size + (dp_rank + 1) * part) for m in range(mini_batches)]
+
+
 def minibatch_shards(r: Rollout, mini_batches: int, dp: int, dp_rank: int) -> list[tuple[Rollout, float]]:
     """This data-parallel replica's part of each PPO mini-batch, with the whole mini-batch's
     response-token count (the token mean is over the mini-batch, not the shard)."""
     size = r.ids_NT.shape[0] // mini_batches
-    out = []
-    for m in range(mini_batches):
-        mb = r.slice(m * size, (m + 1) * size)
-        part = size // dp
-        out.append((mb.slice(dp_rank * part, (dp_rank + 1) * part), mb.num_response_tokens))
-    return out
+    return [(r.slice(s.start, s.stop), r.slice(m * size, (m + 1) * size).num_response_tokens)
+            for m, s in enumerate(shard_slices(r.ids_NT.shape[0], mini_batches, dp, dp_rank))]
+
+
+def nonzero_advantage_rows(r: Rollout, micro: int) -> tuple[Rollout, torch.Tensor]:
+    """The sequences of `r` with a non-zero advantage, for an update that leaves the others out.
+
+    Their count is padded up to a multiple of `micro` (at least one micro-batch: an optimizer step
+    still runs) with copies of a row whose response mask is zeroed, so the pad has weight 0 in the
+    loss and every micro-batch keeps its shape. → (the rows, their indices in `r`: (n,), −1 for pad)."""
+    keep = torch.nonzero(r.adv_N != 0).flatten()
+    n = max(micro, -(-len(keep) // micro) * micro)
+    idx = torch.cat([keep, torch.full((n - len(keep),), -1, dtype=torch.long)])
+    out = r.rows(idx.clamp(min=0) if len(keep) == 0 else torch.where(idx < 0, keep[0], idx))
+    return dataclasses.replace(out, resp_NT1=torch.where((idx < 0)[:, None], 0.0, out.resp_NT1)), idx
+
+
+def nonzero_advantage_tokens(r: Rollout, mini_batches: int) -> list[float]:
+    """Response tokens of each PPO mini-batch's sequences with a non-zero advantage (the whole
+    mini-batch, every replica's part)."""
+    size = r.ids_NT.shape[0] // mini_batches
+    kept = r.resp_NT1 * (r.adv_N != 0)[:, None]
+    return [float(kept[m * size:(m + 1) * size].sum()) for m in range(mini_batches)]
