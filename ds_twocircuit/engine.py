@@ -47,7 +47,8 @@ class Pipeline:
     temperature: float          # log-probs are of softmax(logits/τ), the sampler's distribution
     per_param_grads: bool       # see per_parameter_grads
     clip: TrueNormClip
-    shape_key: tuple | None = None   # (padded length, codec on) DeepSpeed's receive buffers are sized for
+    share_group: int = 0        # grpo.share_prompts: G, each cut sends a group's prompt once; 0: off
+    shape_key: tuple | None = None   # (padded length, prompt columns shared, codec on): DeepSpeed's receive buffers' sizes
 
     @property
     def stage(self) -> int:
@@ -88,4 +89,5 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
                                                                          if p.requires_grad], config=ds)
     return Pipeline(engine=engine, pipe=pipe, codec=codec, loss=loss, micro=ds["train_micro_batch_size_per_gpu"],
                     temperature=tc.grpo.temperature, per_param_grads=per_param,
-                    clip=TrueNormClip(engine, pipe, max_norm, per_param))
+                    clip=TrueNormClip(engine, pipe, max_norm, per_param),
+                    share_group=tc.grpo.group_size if tc.grpo.share_prompts else 0)

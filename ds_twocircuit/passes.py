@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import shared_prompts
 from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
 from .grpo.rollouts import Rollout
 
@@ -86,17 +87,20 @@ class Update:
     grad_norm: float                 # the global gradient norm before clipping
 
 
-def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1):
-    """DeepSpeed's ((ids, attn, sid), labels) micro-batches of `micro` sequences, in order."""
+def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1, share: int = 0):
+    """DeepSpeed's ((ids, attn, sid[, [P, G]]), labels) micro-batches of `micro` sequences, in order;
+    with `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py)."""
+    P = shared_prompts.prompt_columns(r.resp_NT1) if share else 0
+    extra = (torch.tensor([P, share]),) if P else ()
     for i in range(0, r.ids_NT.shape[0], micro):
         s = slice(i, i + micro)
-        yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s]),
+        yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s], *extra),
                (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
 
 
-def fit_shapes(p, seq_len: int) -> None:
+def fit_shapes(p, batch: Rollout) -> None:
     """Reset DeepSpeed's receive buffers on every rank when this pass's shapes differ from the last's."""
-    key = (seq_len, p.codec.on)
+    key = (batch.ids_NT.shape[1], shared_prompts.prompt_columns(batch.resp_NT1) if p.share_group else 0, p.codec.on)
     if key != p.shape_key:
         p.engine.reset_activation_shape()
         p.shape_key = key
@@ -105,9 +109,9 @@ def fit_shapes(p, seq_len: int) -> None:
 def logprobs(p, batch: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(target) of every sequence, (N, T−1), at the current weights or with `weights` swapped in
     (the reference policy); on the last stage, zeros elsewhere."""
-    fit_shapes(p, batch.ids_NT.shape[1])
+    fit_shapes(p, batch)
     z = torch.zeros_like(batch.resp_NT1)
-    data = iter(micro_batches(batch, p.micro, z, z, z))
+    data = iter(micro_batches(batch, p.micro, z, z, z, p.share_group))
     with p.loss.running(_LogProbs(p.temperature)) as fn, swapped_weights(p.pipe, weights):
         p.engine.eval_batch(data, num_micro_batches=batch.ids_NT.shape[0] // p.micro, bcast_loss=False)
     return torch.cat(fn.logps) if p.last_stage else z
@@ -116,11 +120,11 @@ def logprobs(p, batch: Rollout, weights: list[torch.Tensor] | None = None) -> to
 def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, old_is_current: bool) -> Update:
     """One `train_batch` on this replica's part of a PPO mini-batch of `ntok` response tokens; the
     optimizer's pre-hooks (clip, sign correction) run inside it."""
-    fit_shapes(p, batch.ids_NT.shape[1])
+    fit_shapes(p, batch)
     w = batch.resp_NT1 / max(ntok, 1.0)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
     with p.loss.running(loss), micro_batch_count(p.engine, batch.ids_NT.shape[0] // p.micro):
-        p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1)))
+        p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1, p.share_group)))
     old = torch.cat(loss.logps) if old_is_current and p.last_stage else None
     return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
 
@@ -130,12 +134,12 @@ def dense_gradient(p, batch: Rollout, ntok: float, ref_NT1, coefs: LossCoefs):
     over tied copies and data-parallel replicas but no optimizer step: the anchor's replay and the
     trainer's probe. → (HF name → gradient of every parameter this rank holds, loss metric sums);
     .grad is cleared after."""
-    fit_shapes(p, batch.ids_NT.shape[1])
+    fit_shapes(p, batch)
     w = batch.resp_NT1 / max(ntok, 1.0)
     z = torch.zeros_like(batch.resp_NT1)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current=True)
     with p.loss.running(loss):
-        forward_backward(p.engine, micro_batches(batch, p.micro, w, z, ref_NT1))
+        forward_backward(p.engine, micro_batches(batch, p.micro, w, z, ref_NT1, p.share_group))
     grads = {n: q.grad.detach().float().clone() for n, q in p.pipe.hf_parameters_all().items()}
     for q in p.pipe.parameters():
         q.grad = None

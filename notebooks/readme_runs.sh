@@ -40,6 +40,12 @@ declare -A RUNS=(
   [rot4_refs_s1]="hf ds_configs/rotated.json grpo.ref_logprobs=sampler train.seed=1 codec.seed=1"
   [dense_b0_skip_s1]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
   [rot4_b0_skip_s1]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
+  # shared prompts (one code per group at every cut), and every saving together
+  [rot4_share]="hf ds_configs/rotated.json grpo.share_prompts=true"
+  [rot4_share_s1]="hf ds_configs/rotated.json grpo.share_prompts=true train.seed=1 codec.seed=1"
+  [rot4_all]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true"
+  [rot4_all_s1]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true train.seed=1 codec.seed=1"
+  [dense_all]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)

@@ -20,7 +20,10 @@ RUNS = {"dense": "dense, β = 0.001 (control)",
         "prf95_refs": "prf95, ref beside the sampler",
         "rot4_noanchor": "rotated.json, ref in the pipeline",
         "rot4_refs": "rotated.json, ref beside the sampler",
-        "rot4_b0_skip": "rotated.json, β = 0, zero-advantage groups skipped"}
+        "rot4_b0_skip": "rotated.json, β = 0, zero-advantage groups skipped",
+        "rot4_share": "rotated.json, shared prompts",
+        "rot4_all": "rotated.json, β = 0, skipped groups, shared prompts",
+        "dense_all": "dense, β = 0, skipped groups, shared prompts"}
 RUNS.update({k + "_s1": "seed 1: " + v for k, v in list(RUNS.items())})
 
 

@@ -39,6 +39,7 @@ def write(tmp_path, mutate):
     (lambda c: None, ["data.chat_template=true"], "data.chat_template=true but the embedded model"),
     (lambda c: None, ["sampler.backend=sglang"], "sampler.backend"),
     (lambda c: None, ["grpo.ref_logprobs=vllm"], "grpo.ref_logprobs='vllm'"),
+    (lambda c: c.update(train_micro_batch_size_per_gpu=2), ["grpo.share_prompts=true"], "a multiple of grpo.group_size=4"),
     (lambda c: None, ["grpo.skip_zero_advantage=true"], "grpo.skip_zero_advantage=true needs grpo.kl_coef=0"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),

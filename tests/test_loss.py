@@ -98,7 +98,7 @@ def test_nonzero_advantage_rows_keep_their_order_and_pad_with_weight_zero():
                 torch.zeros(n, T - 1), torch.zeros(n), torch.tensor([0, 0, 1., -1, 0, 0, 2, -2]), torch.arange(n))
     out, idx = nonzero_advantage_rows(r, micro=3)
     assert idx.tolist() == [2, 3, 6, 7, -1, -1]
-    assert out.sample_id_N.tolist() == [2, 3, 6, 7, 2, 2]
+    assert out.sample_id_N.tolist() == [2, 3, 6, 7, 2, 3]      # cycled: a pad of whole groups
     assert out.resp_NT1.sum(1).tolist() == [4, 4, 4, 4, 0, 0]
     assert nonzero_advantage_tokens(r, 2) == [8.0, 8.0]
     none, idx = nonzero_advantage_rows(Rollout(*[t[:2] for t in r.tensors()]), micro=3)

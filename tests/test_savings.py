@@ -64,3 +64,40 @@ def test_sampler_reference_equals_the_codec_off_pipeline_reference(eight, tmp_pa
         assert rb["codec/bytes_ref_logprobs"] == 4 * round(rb["response_length/mean"] * 64)
     assert a[-1]["actor/kl_loss"] > 0
     assert_same_weights(weights(eight), weights(tmp_path))
+
+
+def test_shared_prompts_equal_unshared_with_the_codec_off(eight, tmp_path):
+    """Dense codec: each cut sends a group's prompt once and its gradient summed over the group, and
+    the losses, gradient norms and weights are the unshared run's to float summation order, while
+    fewer bytes cross both ways."""
+    launch(8, tmp_path, "grpo.share_prompts=true")
+    a, b = rows(eight), rows(tmp_path)
+    for ra, rb in zip(a, b):
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert math.isclose(ra[k], rb[k], rel_tol=1e-5, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
+        assert rb["codec/bytes_fwd"] < 0.7 * ra["codec/bytes_fwd"] and rb["codec/bytes_bwd"] < 0.7 * ra["codec/bytes_bwd"]
+    assert_same_weights(weights(eight), weights(tmp_path))
+
+
+def test_shared_prompts_with_the_rotated_codec_and_two_mini_batches(tiny_model, tmp_path):
+    """A shared prompt is one code per group, keyed by the group: the first update's train pass
+    reproduces the old-policy pass exactly (ratio 1 to the bit) across two PPO mini-batches, and
+    the bytes fall against the same run unshared."""
+    common = ("codec.name=rotated", "grpo.ppo_mini_batches=2", "train.steps=2", "train.eval_every=100")
+    launch(8, tmp_path / "all", *common)
+    launch(8, tmp_path / "shared", *common, "grpo.share_prompts=true")
+    for ra, rb in zip(rows(tmp_path / "all"), rows(tmp_path / "shared")):
+        assert rb["actor/first_update_abs_log_ratio"] == 0.0
+        assert math.isfinite(rb["actor/grad_norm"]) and rb["actor/ppo_kl"] != 0.0
+        assert rb["codec/bytes_fwd"] < 0.7 * ra["codec/bytes_fwd"] and rb["codec/bytes_bwd"] < 0.7 * ra["codec/bytes_bwd"]
+
+
+def test_shared_prompts_reach_the_anchor_replay(tiny_model, tmp_path):
+    """The anchor's own pipeline replays each batch with the prompts shared too: at c = 1, K = 0,
+    β_M = 0 its sign(M) is the sign of the trainer's gradient of the same batch and weights, on every
+    coordinate (dense codec, so nothing but the sharing could tell the two apart)."""
+    launch(8, tmp_path, "grpo.share_prompts=true", "anchor.enabled=true", "anchor.every=1", "anchor.staleness=0",
+           "anchor.beta_m=0", "train.probe_every=1", "train.steps=3", "train.eval_every=100")
+    r = rows(tmp_path)
+    assert [x["anchor/fire"] for x in r] == [0.0, 1.0, 2.0]
+    assert [x["anchor/sign_agreement"] for x in r] == [1.0] * 3

@@ -34,6 +34,10 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"grpo.group_size={g.group_size}: group-normalised advantages need at least 2 samples")
     if g.ref_logprobs not in ("pipeline", "sampler"):
         raise ConfigError(f"grpo.ref_logprobs='{g.ref_logprobs}': expected 'pipeline' or 'sampler'")
+    if g.share_prompts and ds["train_micro_batch_size_per_gpu"] % g.group_size:
+        raise ConfigError(f"grpo.share_prompts=true needs train_micro_batch_size_per_gpu="
+                          f"{ds['train_micro_batch_size_per_gpu']} to be a multiple of grpo.group_size={g.group_size} "
+                          "(a group's samples must be in one micro-batch)")
     if g.skip_zero_advantage and (g.kl_coef > 0 or tc.control.enabled):
         raise ConfigError(f"grpo.skip_zero_advantage=true needs grpo.kl_coef=0 (it is {g.kl_coef}"
                           f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "

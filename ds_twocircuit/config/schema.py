@@ -85,6 +85,9 @@ class GRPOConfig:
     ref_logprobs: str = opt("pipeline", "where the reference policy's log-probs come from: 'pipeline' (a pass of "
                             "the base weights through the compressed pipeline) | 'sampler' (a dense fp32 model of "
                             "the base weights on the sampler's rank, sent to the last stage as per-token floats)")
+    share_prompts: bool = opt(False, "each cut sends a group's prompt columns once, not G times (their hidden "
+                              "states are the same under causal attention; with a codec, one code per group); "
+                              "needs train_micro_batch_size_per_gpu to be a multiple of group_size")
     skip_zero_advantage: bool = opt(False, "leave the sequences of groups whose rewards are all equal (advantage "
                                     "exactly 0) out of the pipeline's update passes; their gradient is exactly 0 "
                                     "only at grpo.kl_coef=0, which it requires")

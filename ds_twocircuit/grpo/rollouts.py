@@ -76,13 +76,16 @@ def nonzero_advantage_rows(r: Rollout, micro: int) -> tuple[Rollout, torch.Tenso
     """The sequences of `r` with a non-zero advantage, for an update that leaves the others out.
 
     Their count is padded up to a multiple of `micro` (at least one micro-batch: an optimizer step
-    still runs) with copies of a row whose response mask is zeroed, so the pad has weight 0 in the
-    loss and every micro-batch keeps its shape. → (the rows, their indices in `r`: (n,), −1 for pad)."""
+    still runs) with copies of rows, cycled from the first kept one (from row 0 when none is kept,
+    so whole groups stay whole when `micro` is a multiple of the group size), whose response mask
+    is zeroed: the pad has weight 0 in the loss and every micro-batch keeps its shape.
+    → (the rows, their indices in `r`: (n,), −1 for pad)."""
     keep = torch.nonzero(r.adv_N != 0).flatten()
     n = max(micro, -(-len(keep) // micro) * micro)
     idx = torch.cat([keep, torch.full((n - len(keep),), -1, dtype=torch.long)])
-    out = r.rows(idx.clamp(min=0) if len(keep) == 0 else torch.where(idx < 0, keep[0], idx))
-    return dataclasses.replace(out, resp_NT1=torch.where((idx < 0)[:, None], 0.0, out.resp_NT1)), idx
+    source = keep if len(keep) else torch.arange(len(r.adv_N))
+    rows = torch.where(idx < 0, source[torch.arange(n) % len(source)], idx)
+    return dataclasses.replace(r.rows(rows), resp_NT1=torch.where((idx < 0)[:, None], 0.0, r.resp_NT1[rows])), idx
 
 
 def nonzero_advantage_tokens(r: Rollout, mini_batches: int) -> list[float]:

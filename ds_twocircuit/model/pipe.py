@@ -13,7 +13,9 @@ sample_id] replaces the (B, T) attention mask on the wire: 12 bytes per sequence
 tensor of the tuple costs its own send and shape metadata). Rotary
 positions and the 4-D causal + padding mask are rebuilt on every stage from it: position =
 (cumsum(attn) − 1) clamped at 0, the rule HF `generate` uses for left-padded prompts. `sample_id_B`
-is the stable id of each sequence in the step's batch (the PRF codec keys its masks with it).
+is the stable id of each sequence in the step's batch (the PRF codec keys its masks with it). With
+`grpo.share_prompts` the rows carry two more columns, [P, G] (the shared prompt columns, the group
+size), and each cut sends a group's prompt once (codec/shared_prompts.py).
 
 Each layer item is built on the meta device and materialised from the checkpoint's safetensors
 files, so a rank only ever holds its own stage. The model knows nothing of pipelining; these
@@ -27,6 +29,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
+from ..codec import shared_prompts
 from ..codec.boundary import Codec
 from ..codec.geometry import cut_layers
 from .weights import SafetensorsReader, load_module_from
@@ -68,9 +71,13 @@ class Embed(torch.nn.Module):
         load_module_from(self, reader, "model.")
 
     def forward(self, inputs):
-        ids_BT, attn_BT, sid_B = inputs
-        rows_B3 = torch.cat([span_from_mask(attn_BT), sid_B[:, None]], 1).int()
-        return self.embed_tokens(ids_BT), rows_B3
+        ids_BT, attn_BT, sid_B, *share = inputs       # share: [P, G] with the prompt shared
+        rows = [span_from_mask(attn_BT), sid_B[:, None]]
+        if share:
+            P, G = (int(v) for v in share[0])
+            shared_prompts.check_groups(ids_BT, P, G)
+            rows.append(share[0].to(sid_B.dtype).expand(len(sid_B), 2))
+        return self.embed_tokens(ids_BT), torch.cat(rows, 1).int()
 
     def hf_parameters(self):
         return {"model.embed_tokens.weight": self.embed_tokens.weight}
@@ -94,20 +101,26 @@ class Decoder(torch.nn.Module):
         self.rotary = rotary_cls(config=config)   # non-persistent buffers only
 
     def forward(self, inputs):
-        *wire, rows_B3 = inputs             # (h, rows), or after a cut what the codec sent (wire_out)
-        rows_B3 = rows_B3.long()
-        attn_BT, sid_B = mask_from_span(rows_B3, wire[0].shape[1]), rows_B3[:, 2]
+        *wire, rows = inputs        # (h, rows), or after a cut what the codec sent (wire_out)
+        rows = rows.long()          # (B, 3) [first, last+1, sample id], + [P, G] with the prompt shared
+        P, G = (int(rows[0, 3]), int(rows[0, 4])) if rows.shape[1] == 5 else (0, 0)
+        T = wire[0].shape[1] + (wire[1].shape[1] if P and self.decode_in else 0)
+        attn_BT, sid_B = mask_from_span(rows, T), rows[:, 2]
         pos_BT = positions_from_mask(attn_BT)
         h = wire[0]
         if self.decode_in:
-            h = self.codec.wire_in(tuple(wire), pos_BT, sid_B, self.layer_idx - 1, next(self.layer.parameters()).dtype)
+            dtype, layer = next(self.layer.parameters()).dtype, self.layer_idx - 1
+            h = (shared_prompts.receive(self.codec, tuple(wire), pos_BT, sid_B, layer, dtype, P, G) if P else
+                 self.codec.wire_in(tuple(wire), pos_BT, sid_B, layer, dtype))
         # the cache goes in by position: its keyword is past_key_values before transformers 5.20, cache after
         mask = create_causal_mask(self.config, h, attn_BT, None, position_ids=pos_BT)
         cos_sin = self.rotary(h, pos_BT)
         h = self.layer(h, attention_mask=mask, position_ids=pos_BT, position_embeddings=cos_sin)
         if self.encode_out:
-            return (*self.codec.wire_out(h, pos_BT, sid_B, self.layer_idx), rows_B3.int())
-        return h, rows_B3.int()
+            out = (shared_prompts.send(self.codec, h, pos_BT, sid_B, self.layer_idx, P, G) if P else
+                   self.codec.wire_out(h, pos_BT, sid_B, self.layer_idx))
+            return (*out, rows.int())
+        return h, rows.int()
 
     def hf_parameters(self):
         return {f"model.layers.{self.layer_idx}.{n}": p for n, p in self.layer.named_parameters()}
