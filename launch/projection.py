@@ -2,15 +2,26 @@
 GPU stages at 100 Mbit/s and 1 Gbit/s, per codec, and which term dominates.
 
     python launch/projection.py [--beta 3.03 --bench-m 4] [--sync-ratio R] [--anchor-every C]
-                                [--anchor compute-matched|full] ...
+                                [--anchor compute-matched|full] [--ref sampler] [--prompt-share S
+                                --share-prompts] [--skipped-share Z] ...
 
 The workload is the reports': 512 prompts × 8 samples × up to 4096 tokens per step (N = 16.8 M
 tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % MFU. Per step:
 
-    compute      8·P·N / (S·F·mfu)            the reference pass (2PN) and the update (6PN), on S devices
-    boundaries   β(M)·B/r                      B: bytes one cut carries per step, 3 passes (reference
-                                               forward, train forward, train backward) × N × the
-                                               codec's bytes per token (below); r: the link's rate
+    compute      (2·P·N_ref + 6·P·N_upd) / (S·F·mfu)   the reference pass and the update, on S devices
+    boundaries   β(M)·B/r                      B: bytes one cut carries per step over its passes
+                                               (reference forward, train forward, train backward),
+                                               each pass's tokens × the codec's bytes per token and
+                                               direction (below); r: the link's rate
+    ref          4·N_resp/r                    with the reference beside the sampler (--ref sampler):
+                                               one float per response token to the last stage, and no
+                                               reference pass in the pipeline (its compute moves to
+                                               the sampler's side, off this sum)
+
+The exact savings, as inputs (measured on the task at hand, not guessed): --prompt-share, the
+share of a sequence's tokens that are prompt; with --share-prompts a cut carries a group's prompt
+once, so a pass's tokens are N·(s/G + 1 − s); --skipped-share, the share of groups with all-equal
+rewards, left out of the update (β = 0 only: then there is no reference pass either).
     sync         ρ·2P/r                        the sampler's weights; ρ = 1 whole, the measured delta
                                                ratio with the lossless delta sync (weight_sync.py)
     anchor       (θ + batch + P/8) per fire / c   θ as a delta (ρ_c: ratio after c steps of movement),
@@ -39,9 +50,18 @@ import argparse
 KEEP, D, FWD_ROT, BWD_ROT = 77, 1536, 770, 242
 
 
-def bytes_per_token(codec: str) -> float:
-    """Bytes one cut carries per token over a step's three passes, bf16 activations."""
-    return {"dense": 3 * D * 2, "prf95": 3 * KEEP * 2, "rotated": 2 * FWD_ROT + BWD_ROT}[codec]
+def bytes_per_token(codec: str) -> tuple[float, float]:
+    """Bytes one cut carries per token (forward, backward), bf16 activations."""
+    return {"dense": (D * 2, D * 2), "prf95": (KEEP * 2, KEEP * 2), "rotated": (FWD_ROT, BWD_ROT)}[codec]
+
+
+def pass_tokens(a) -> tuple[float, float, float]:
+    """(tokens of the reference forward on the wire, of each update pass, response tokens) per step."""
+    n = a.prompts * a.samples * a.tokens
+    crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if a.share_prompts else n
+    update = crossing * (1 - a.skipped_share)
+    ref = 0.0 if a.ref == "sampler" or a.skipped_share else crossing   # skipping needs β = 0: no reference
+    return ref, update, n * (1 - a.prompt_share)
 
 
 def flow_shop(m: int, stages: int) -> float:
@@ -51,9 +71,13 @@ def flow_shop(m: int, stages: int) -> float:
 def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
     r = rate_bps / 8
     n = a.prompts * a.samples * a.tokens
-    compute = 8 * a.params * n / (a.stages * a.gpu_flops * a.mfu)
+    ref, upd, resp = pass_tokens(a)
+    n_ref = 0.0 if a.ref == "sampler" or a.skipped_share else n    # compute: sharing saves bytes, not FLOPs
+    compute = (2 * n_ref + 6 * n * (1 - a.skipped_share)) * a.params / (a.stages * a.gpu_flops * a.mfu)
     beta = a.beta * flow_shop(a.m, a.stages) / flow_shop(a.bench_m, a.stages)
-    out = {"compute": compute, "boundaries": beta * bytes_per_token(codec) * n / r,
+    fwd, bwd = bytes_per_token(codec)
+    out = {"compute": compute, "boundaries": beta * (fwd * (ref + upd) + bwd * upd) / r,
+           "ref": 4 * resp / r if a.ref == "sampler" and not a.skipped_share else 0.0,
            "sync (whole)": 2 * a.params / r, "sync (delta)": a.sync_ratio * 2 * a.params / r, "anchor": 0.0}
     if codec != "dense":
         c, share = (a.anchor_every, 1.0) if a.anchor == "full" else (1, 1 / a.anchor_every)
@@ -69,8 +93,8 @@ def table(a) -> str:
         for codec in ("dense", "prf95", "rotated"):
             t = terms(codec, bps, a)
             sync = t["sync (delta)"]
-            serial = t["compute"] + t["boundaries"] + sync + t["anchor"]
-            overlapped = max(t["compute"], t["boundaries"]) + sync + t["anchor"]
+            serial = t["compute"] + t["boundaries"] + t["ref"] + sync + t["anchor"]
+            overlapped = max(t["compute"], t["boundaries"]) + t["ref"] + sync + t["anchor"]
             parts = {"compute": t["compute"], "boundaries": t["boundaries"], "sync": sync, "anchor": t["anchor"]}
             lines.append(f"| {name} | {codec} | {t['compute']:.0f} | {t['boundaries']:.0f} | "
                          f"{t['sync (whole)']:.1f} / {sync:.1f} | {t['anchor']:.1f} | {serial:.0f} "
@@ -90,6 +114,12 @@ def parse(argv=None):
     ap.add_argument("--anchor-every", type=int, default=8, help="c; at least stage devices / anchor devices")
     ap.add_argument("--anchor", choices=["compute-matched", "full"], default="compute-matched",
                     help="every step on a 1/c share (the 1.5B recipe), or a full replay every c steps")
+    ap.add_argument("--ref", choices=["pipeline", "sampler"], default="pipeline",
+                    help="where the reference log-probs are computed (grpo.ref_logprobs)")
+    ap.add_argument("--prompt-share", type=float, default=0.0, help="share of a sequence's tokens that are prompt")
+    ap.add_argument("--share-prompts", action="store_true", help="a cut carries a group's prompt once (grpo.share_prompts)")
+    ap.add_argument("--skipped-share", type=float, default=0.0,
+                    help="share of groups left out of the update (grpo.skip_zero_advantage, β = 0)")
     ap.add_argument("--params", type=float, default=1.54e9)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--samples", type=int, default=8)

@@ -194,3 +194,31 @@ def test_generation_through_codec_keep_all_is_dense(tiny_model):
         with through_codec(model, low):
             assert not torch.allclose(model(**enc).logits, dense, atol=1e-3)
         assert torch.equal(model(**enc).logits, dense)          # hooks removed on exit
+
+
+@pytest.mark.parametrize("name", ["dense", "prf"])
+def test_a_shared_prompt_crosses_once_and_its_gradient_sums_over_the_group(name):
+    """Groups of G = 3 rows with equal prompt columns: the sender sends one prompt row per group; the
+    receiver's rebuilt input equals the unshared decode (dense: the input itself), and the gradient
+    the sender gets on a group's first row is the sum of the group's."""
+    from ds_twocircuit.codec import shared_prompts
+    B, T, d, P, G = 6, 5, 8, 3, 3
+    codec = Codec(name=name, d=d, k=2, seed=1, cuts={0})
+    prompt = torch.randn(B // G, 1, P, d).expand(B // G, G, P, d).reshape(B, P, d)
+    h = torch.cat([prompt, torch.randn(B, T - P, d)], 1).requires_grad_()
+    pos, sid = torch.arange(T).expand(B, T), torch.arange(B)
+    wire = shared_prompts.send(codec, h, pos, sid, 0, P, G)
+    assert wire[0].shape[0] == B // G and wire[1].shape[:2] == (B, T - P)
+    x = shared_prompts.receive(codec, tuple(w.detach().requires_grad_(w.is_floating_point()) for w in wire),
+                               pos, sid, 0, torch.float32, P, G)
+    if name == "dense":
+        assert torch.equal(x, h.detach())
+    else:   # one code per group: the group's rows decode to the same prompt values
+        assert torch.equal(x[0:1, :P].expand(G, P, d), x[0:G, :P]) and not torch.equal(x[0, :P], x[G, :P])
+    g = torch.randn(B, T, d)
+    out = shared_prompts.receive(codec, wire, pos, sid, 0, torch.float32, P, G)
+    out.backward(g)
+    want = g[:, :P].reshape(B // G, G, P, d).sum(1)
+    if name == "dense":
+        torch.testing.assert_close(h.grad[::G, :P], want)
+        assert torch.equal(h.grad[1::G, :P], torch.zeros_like(want)) and torch.equal(h.grad[:, P:], g[:, P:])
