@@ -6,7 +6,9 @@ Two tables. Bytes: per run, the mean per step over its 100 steps of the p2p byte
 direction (KB, forward / backward, every pass), their sum, the reference log-probs sent beside the
 pipeline, the anchor link, and the whole as a share of the dense control's boundary bytes (fp32,
 β = 0.001, the same seed). Learning: held-out accuracy every 20 steps, the share of the same seed's
-dense gain, and the share of groups with all-equal rewards (left out of the update where skipping).
+dense gain, the compressed gradient's mean cosine with the dense one at the probe steps, the
+step-1 gap (sampler vs trainer KL), and the share of groups with all-equal rewards (left out of the
+update where skipping).
 """
 import json
 import pathlib
@@ -56,8 +58,9 @@ def main():
         print(f"| {label} | " + " | ".join(per_cut) + f" | {boundary(r) / 1e3:.0f} | "
               f"{mean(r, 'codec/bytes_ref_logprobs') / 1e3:.1f} | {mean(r, 'anchor/bytes') / 1e3:.0f} | "
               f"{total / boundary(dense):.3f} |")
-    print("\n| run | held-out acc (0, 20, …, 100) | share of dense's gain | all-equal groups (mean, min–max) |")
-    print("|---|---|---|---|")
+    print("\n| run | cos(G_comp, G_dense) | gap at step 1 | held-out acc (0, 20, …, 100) | share of dense's gain "
+          "| all-equal groups (mean, min–max) |")
+    print("|---|---|---|---|---|---|")
     for run, label in RUNS.items():
         r, ev = rows(run), rows(run, "eval.jsonl")
         dense = rows("dense_s1" if run.endswith("_s1") else "dense", "eval.jsonl")
@@ -66,7 +69,9 @@ def main():
         share = (ev[-1]["acc"] - ev[0]["acc"]) / (dense[-1]["acc"] - dense[0]["acc"])
         eq = [x["train/zero_advantage_groups"] for x in r if "train/zero_advantage_groups" in x]
         groups = f"{statistics.mean(eq):.3f} ({min(eq):.2f}–{max(eq):.2f})" if eq else "—"
-        print(f"| {label} | " + " / ".join(f"{e['acc']:.3f}" for e in ev) + f" | {share:.2f} | {groups} |")
+        cos = statistics.mean(x["grad/cos_comp_dense"] for x in r if "grad/cos_comp_dense" in x)
+        print(f"| {label} | {cos:.3f} | {r[0]['rollout_corr/kl']:.3g} | " + " / ".join(f"{e['acc']:.3f}" for e in ev) +
+              f" | {share:.2f} | {groups} |")
 
 
 if __name__ == "__main__":
