@@ -18,15 +18,16 @@ tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % 
                                                reference pass in the pipeline (its compute moves to
                                                the sampler's side, off this sum)
 
-The exact savings, as inputs (measured on the task at hand, not guessed): --prompt-share, the
-share of a sequence's tokens that are prompt; with --share-prompts a cut carries a group's prompt
-once, so a pass's tokens are N·(s/G + 1 − s); --skipped-share, the share of groups with all-equal
-rewards, left out of the update (β = 0 only: then there is no reference pass either).
     sync         ρ·2P/r                        the sampler's weights; ρ = 1 whole, the measured delta
                                                ratio with the lossless delta sync (weight_sync.py)
     anchor       (θ + batch + P/8) per fire / c   θ as a delta (ρ_c: ratio after c steps of movement),
                                                the replayed batch (ids, masks, sampler log-probs: 24
                                                bytes per token), sign(M) back
+
+The exact savings, as inputs (measured on the task at hand, not guessed): --prompt-share, the
+share of a sequence's tokens that are prompt; with --share-prompts a cut carries a group's prompt
+once, so a pass's tokens are N·(s/G + 1 − s); --skipped-share, the share of groups with all-equal
+rewards, left out of the update (β = 0 only: then there is no reference pass either).
 
 Bytes per token and cut, per pass (checked against bench_links.py's p2p counts at d = 1536: dense
 18 432, prf 924, rotated 1 782 bytes per token over the three passes in fp32): dense d·2; prf95
@@ -60,8 +61,12 @@ def pass_tokens(a) -> tuple[float, float, float]:
     n = a.prompts * a.samples * a.tokens
     crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if a.share_prompts else n
     update = crossing * (1 - a.skipped_share)
-    ref = 0.0 if a.ref == "sampler" or a.skipped_share else crossing   # skipping needs β = 0: no reference
-    return ref, update, n * (1 - a.prompt_share)
+    return crossing if reference_pass(a) else 0.0, update, n * (1 - a.prompt_share)
+
+
+def reference_pass(a) -> bool:
+    """Whether the pipeline runs a reference pass: not beside the sampler, and not at β = 0 (skipping)."""
+    return a.ref == "pipeline" and not a.skipped_share
 
 
 def flow_shop(m: int, stages: int) -> float:
@@ -72,12 +77,12 @@ def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
     r = rate_bps / 8
     n = a.prompts * a.samples * a.tokens
     ref, upd, resp = pass_tokens(a)
-    n_ref = 0.0 if a.ref == "sampler" or a.skipped_share else n    # compute: sharing saves bytes, not FLOPs
+    n_ref = n if reference_pass(a) else 0.0    # compute: sharing saves bytes, not FLOPs
     compute = (2 * n_ref + 6 * n * (1 - a.skipped_share)) * a.params / (a.stages * a.gpu_flops * a.mfu)
     beta = a.beta * flow_shop(a.m, a.stages) / flow_shop(a.bench_m, a.stages)
     fwd, bwd = bytes_per_token(codec)
     out = {"compute": compute, "boundaries": beta * (fwd * (ref + upd) + bwd * upd) / r,
-           "ref": 4 * resp / r if a.ref == "sampler" and not a.skipped_share else 0.0,
+           "ref": 4 * resp / r if a.ref == "sampler" and not a.skipped_share else 0.0,   # β = 0 needs none
            "sync (whole)": 2 * a.params / r, "sync (delta)": a.sync_ratio * 2 * a.params / r, "anchor": 0.0}
     if codec != "dense":
         c, share = (a.anchor_every, 1.0) if a.anchor == "full" else (1, 1 / a.anchor_every)

@@ -6,7 +6,7 @@ For prompt p with G samples and rewards r_p1..r_pG:
 
 std is the unbiased sample standard deviation (as verl's `compute_grpo_outcome_advantage`). A group
 whose rewards are all equal gets Â = 0 exactly (not the rounding residue of r − mean, which a
-reward like 0.3 leaves): it carries no learning signal, and with β = 0 no gradient, so the
+reward like 0.9 leaves in float32): it carries no learning signal, and with β = 0 no gradient, so the
 trainer may leave it out of the update (`zero_advantage_groups`). Every token of a response
 shares its sequence's advantage.
 """

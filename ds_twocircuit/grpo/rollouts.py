@@ -33,8 +33,7 @@ class Rollout:
 
     def groups(self, idx: list[int], group_size: int) -> "Rollout":
         """The rows of prompt groups `idx` (G adjacent samples each), in that order."""
-        rows = torch.tensor([g * group_size + j for g in idx for j in range(group_size)], dtype=torch.long)
-        return Rollout(*[t[rows] for t in self.tensors()])
+        return self.rows(torch.tensor([g * group_size + j for g in idx for j in range(group_size)], dtype=torch.long))
 
     def rows(self, idx: torch.Tensor) -> "Rollout":
         return Rollout(*[t[idx] for t in self.tensors()])
