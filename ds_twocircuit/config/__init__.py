@@ -20,12 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 from .checks import validate
 from .deepspeed_keys import check_deepspeed_keys, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
-                     ModelConfig, TinyModelConfig, TrainConfig, TwoCircuitConfig, describe)
+                     ModelConfig, TinyModelConfig, TrainConfig, WideModelConfig, TwoCircuitConfig, describe)
 
 __all__ = ["RunConfig", "load_config", "load_or_exit", "check_resume", "write_run_config", "load_recipe",
            "merge_twocircuit", "to_yaml", "as_dict",
            "ConfigError", "describe", "check_deepspeed_keys", "deepspeed_known_keys", "TwoCircuitConfig",
-           "ModelConfig", "TinyModelConfig", "DataConfig", "GRPOConfig", "TrainConfig", "CodecConfig",
+           "ModelConfig", "TinyModelConfig", "WideModelConfig", "DataConfig", "GRPOConfig", "TrainConfig", "CodecConfig",
            "AnchorConfig", "ControlConfig", "LogConfig"]
 
 

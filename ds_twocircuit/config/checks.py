@@ -17,6 +17,8 @@ from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig,
 
 def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
     check_fields(tc)
+    if tc.model.embedded not in ("tiny", "wide"):
+        raise ConfigError(f"model.embedded='{tc.model.embedded}': 'tiny' or 'wide'")
     split = tc.model.layers_per_stage
     if not split or min(split) < 1:
         raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
@@ -186,11 +188,11 @@ def check_batches(tc: TwoCircuitConfig, ds: dict, dp: int) -> None:
 
 def model_num_layers(model: ModelConfig) -> int:
     """Decoder layer count, read from config.json without importing transformers."""
-    return model.tiny.num_layers if not model.path else _hf_config_value(model, "num_hidden_layers")
+    return model.embedded_config().num_layers if not model.path else _hf_config_value(model, "num_hidden_layers")
 
 
 def model_hidden_size(model: ModelConfig) -> int:
-    return model.tiny.hidden_size if not model.path else _hf_config_value(model, "hidden_size")
+    return model.embedded_config().hidden_size if not model.path else _hf_config_value(model, "hidden_size")
 
 
 def has_chat_template(model: ModelConfig) -> bool:

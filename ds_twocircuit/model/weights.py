@@ -16,11 +16,11 @@ from safetensors.torch import save_file
 
 def base_model_dir(tc) -> str:
     """The run's base model: `model.path` (a directory, or a hub name in the local cache), else the
-    embedded model warm-started without the run's held-out rows (built once, model/tiny.py)."""
+    embedded model (`model.embedded`) warm-started without the run's held-out rows (built once, model/tiny.py)."""
     if tc.model.path:
         return str(resolve_model_dir(tc.model.path))
     from .tiny import ensure_tiny_model
-    return ensure_tiny_model(tc.model.tiny, tc.data.eval_size)
+    return ensure_tiny_model(tc.model.embedded_config(), tc.data.eval_size, tc.model.embedded)
 
 
 def resolve_model_dir(path: str) -> pathlib.Path:

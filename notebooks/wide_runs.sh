@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The codec frontier on the wide embedded model (model.embedded=wide: d = 384, 28 layers), 100 steps
+# each, one after another (2 cores: one job at a time) under runs/wide/.
+#   notebooks/wide_runs.sh VENV [NAME ...]
+# The codec runs use the saving the embedded default showed harmless, β = 0 with zero-advantage groups
+# left out of the update (no reference pass at all); shared prompts stay off (they cost the rotated
+# codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
+# = 240 of 384. A finished run (its eval.jsonl has step 100) is not run again.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+venv=$1
+shift
+W="model.embedded=wide"
+S="grpo.kl_coef=0 grpo.skip_zero_advantage=true"
+declare -A RUNS=(
+  [dense]="ds_configs/dense.json $W"
+  [dense_b0_skip]="ds_configs/dense.json $W $S"
+  [rot4]="ds_configs/rotated.json $W codec.bwd_coords=240 $S"
+  [rot2]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.bwd_coords=240 $S"
+  [prf95]="ds_configs/prf95.json $W $S"
+  [prf95_cm8]="ds_configs/prf95.json $W anchor.replay_fraction=0.125 $S"
+)
+for k in "${!RUNS[@]}"; do RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; done
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=(dense rot4 dense_b0_skip prf95_cm8 rot2 prf95 dense_s1 rot4_s1 dense_b0_skip_s1 prf95_cm8_s1 rot2_s1 prf95_s1)
+for name in "${names[@]}"; do
+  read -r cfg overrides <<< "${RUNS[$name]}"
+  dir=runs/wide/$name
+  if grep -q '"step": 100' "$dir/eval.jsonl" 2>/dev/null; then echo "$name: done"; continue; fi
+  rm -rf "$dir"; mkdir -p "$dir"
+  echo "$name: $(date +%T) start"
+  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
+    > "$dir/stdout.log" 2>&1
+  echo "$name: $(date +%T) rc=$?"
+done

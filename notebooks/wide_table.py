@@ -1,0 +1,76 @@
+"""The codec frontier on the wide embedded model, from the 100-step runs of notebooks/wide_runs.sh.
+
+    python notebooks/wide_table.py [runs/wide]
+
+Two tables. Bytes: per run, the mean per step over its steps of the boundary bytes (all cuts, both
+directions, every pass) as sent (fp32) and as a bf16 pipeline would send the same tensors (every
+fp32 tensor at half its bytes, b-bit codes and integers as they are: `codec/bytes_*_bf16`, from the
+run's own p2p counts), the anchor link (fp32 θ and the batch up, the sign down: as measured), and
+the whole as a share of the dense control's boundary bytes in fp32 and in bf16, and of the dense
+control that drops the reference pass and the zero-advantage groups too (β = 0, skipped), so the
+codec's own share stays visible. Learning: the compressed gradient's mean cosine with the dense one
+at the probe steps, the step-1 gap, held-out accuracy every 20 steps, and the share of the same
+seed's dense gain (against each control).
+"""
+import json
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "runs/wide")
+RUNS = {"dense": "dense, β = 0.001 (control)",
+        "dense_b0_skip": "dense, β = 0, zero-advantage groups skipped (control with the savings)",
+        "prf95": "PRF 5 % + anchor c = K = 1",
+        "prf95_cm8": "PRF 5 % + compute-matched anchor, 1/8 of the groups",
+        "rot4": "rotated fwd 384 × 4-bit / bwd 240 × 2-bit, no anchor",
+        "rot2": "rotated fwd 384 × 2-bit / bwd 240 × 2-bit, no anchor"}
+
+
+def rows(run: str, name: str = "metrics.jsonl") -> list[dict]:
+    path = ROOT / run / name
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+
+
+def mean(r: list[dict], key: str) -> float:
+    return statistics.mean(x.get(key, 0.0) for x in r)
+
+
+def wire(r: list[dict], bf16: bool) -> float:
+    """Boundary bytes per step (fp32 as sent, or the same sends in bf16)."""
+    s = "_bf16" if bf16 else ""
+    return mean(r, f"codec/bytes_fwd{s}") + mean(r, f"codec/bytes_bwd{s}")
+
+
+def runs():
+    for seed in ("", "_s1"):
+        for run, label in RUNS.items():
+            r, ev = rows(run + seed), rows(run + seed, "eval.jsonl")
+            if ev and ev[-1]["step"] == 100:
+                yield run + seed, ("seed 1: " if seed else "") + label, r, ev, seed
+
+
+def main():
+    print("| run | boundary fp32 (MB) | boundary bf16 (MB) | anchor (MB) | wire / dense fp32 | wire / dense bf16 "
+          "| wire / dense β = 0 skipped, bf16 |")
+    print("|---" * 7 + "|")
+    for run, label, r, _, seed in runs():
+        dense, dskip = rows("dense" + seed), rows("dense_b0_skip" + seed)
+        anchor = mean(r, "anchor/bytes")
+        shares = [(wire(r, bf) + anchor) / wire(d, bf) if d else float("nan")
+                  for d, bf in ((dense, False), (dense, True), (dskip, True))]
+        print(f"| {label} | {wire(r, False) / 1e6:.2f} | {wire(r, True) / 1e6:.2f} | {anchor / 1e6:.2f} | " +
+              " | ".join(f"{s:.3f}" for s in shares) + " |")
+    print("\n| run | cos(G_comp, G_dense) | gap at step 1 | held-out acc (0, 20, …, 100) | share of dense's gain "
+          "| share of dense β = 0 skipped's gain |")
+    print("|---|---|---|---|---|---|")
+    for run, label, r, ev, seed in runs():
+        gains = [(e[-1]["acc"] - e[0]["acc"]) if e and e[-1]["step"] == 100 else float("nan")
+                 for e in (rows("dense" + seed, "eval.jsonl"), rows("dense_b0_skip" + seed, "eval.jsonl"))]
+        gain = ev[-1]["acc"] - ev[0]["acc"]
+        cos = [x["grad/cos_comp_dense"] for x in r if "grad/cos_comp_dense" in x]
+        print(f"| {label} | {statistics.mean(cos):.3f} | {r[0]['rollout_corr/kl']:.3g} | " +
+              " / ".join(f"{e['acc']:.3f}" for e in ev) + " | " + " | ".join(f"{gain / g:.2f}" for g in gains) + " |")
+
+
+if __name__ == "__main__":
+    main()
