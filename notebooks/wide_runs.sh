@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The codec frontier on the wide embedded model (model.embedded=wide: d = 384, 28 layers), 100 steps
 # each, one after another (2 cores: one job at a time) under runs/wide/.
-#   notebooks/wide_runs.sh VENV [NAME ...]
+#   [LR=1e-4] notebooks/wide_runs.sh VENV [NAME ...]
+# LR replaces the recipe's DeepSpeed learning rate (a copy of its JSON under runs/wide/configs/) and
+# the run directory gets the suffix _lrLR.
 # The codec runs use the saving the embedded default showed harmless, β = 0 with zero-advantage groups
 # left out of the update (no reference pass at all); shared prompts stay off (they cost the rotated
 # codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
@@ -26,6 +28,13 @@ names=("$@")
 for name in "${names[@]}"; do
   read -r cfg overrides <<< "${RUNS[$name]}"
   dir=runs/wide/$name
+  if [ -n "${LR:-}" ]; then
+    dir=runs/wide/${name}_lr$LR
+    mkdir -p runs/wide/configs
+    new=runs/wide/configs/$(basename "$cfg" .json)_lr$LR.json
+    "$venv/bin/python" -c "import json, sys; c = json.load(open(sys.argv[1])); c['optimizer']['params']['lr'] = float(sys.argv[2]); json.dump(c, open(sys.argv[3], 'w'), indent=1)" "$cfg" "$LR" "$new"
+    cfg=$new
+  fi
   if grep -q '"step": 100' "$dir/eval.jsonl" 2>/dev/null; then echo "$name: done"; continue; fi
   rm -rf "$dir"; mkdir -p "$dir"
   echo "$name: $(date +%T) start"
