@@ -195,7 +195,7 @@ def anchored(tiny_model, tmp_path_factory):
 
 
 def _shape_msg(k: str) -> bool:
-    return k.startswith("codec/") and k.endswith("bytes_fwd") or k == "codec/dense_equiv_bytes"
+    return k.startswith("codec/") and k.endswith(("bytes_fwd", "bytes_fwd_bf16")) or k == "codec/dense_equiv_bytes"
 
 
 def assert_resumed_rows(full: list[dict], resumed: list[dict], restarts: set[int], volatile=("timing/",)) -> None:
