@@ -13,6 +13,7 @@ import deepspeed
 
 from .clip import TrueNormClip
 from .codec.boundary import Codec, build_codec
+from .config.deepspeed_keys import engine_config
 from .model.pipe import TwoCircuitPipe, load_hf_config
 from .passes import LastStage
 
@@ -71,14 +72,24 @@ class Pipeline:
         return self.engine.grid.get_data_parallel_rank()
 
 
+def configure_checkpointing(section: dict) -> None:
+    """DeepSpeed's checkpoint function with the config's `activation_checkpointing` keys that act
+    without tensor parallelism (config/deepspeed_keys.py refuses the others)."""
+    deepspeed.checkpointing.configure(None, synchronize=section.get("synchronize_checkpoint_boundary", False),
+                                      profile=section.get("profile", False))
+
+
 def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
     """The engine over `tc.model.layers_per_stage`, DeepSpeed's own initialize. Clipping is taken out
-    of DeepSpeed's hands where its norm is wrong (plain fp32, see clip.py)."""
+    of DeepSpeed's hands where its norm is wrong (plain fp32, see clip.py); activation checkpointing
+    recomputes runs of `pipeline.activation_checkpoint_interval` decoder layers (model/pipe.py)."""
     hf_config = load_hf_config(model_dir, tc.model.attn_implementation)
     codec = build_codec(tc.codec, hf_config.hidden_size, tc.model.layers_per_stage)
     loss = LastStage()
     pipe = TwoCircuitPipe(model_dir, tc.model.layers_per_stage, loss, tc.model.attn_implementation, codec=codec)
-    ds = copy.deepcopy(ds_config)
+    ds = engine_config(copy.deepcopy(ds_config))
+    if ds["pipeline"]["activation_checkpoint_interval"]:
+        configure_checkpointing(ds.get("activation_checkpointing", {}))
     max_norm = ds.get("gradient_clipping", 1.0)   # DeepSpeed's default is 1.0
     per_param = per_parameter_grads(ds)
     if per_param:
@@ -87,6 +98,11 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
         ds["bf16"].setdefault("check_grad_overflow", True)   # else its ZeRO path steps a NaN norm (guard.py)
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()
                                                                          if p.requires_grad], config=ds)
+    if pipe.activation_checkpoint_interval and pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
+        kind = "non-reentrant" if ds["pipeline"].get("use_reentrant") is False else "reentrant"
+        print(f"activation checkpointing ({kind}): every {pipe.activation_checkpoint_interval} decoder layer(s); "
+              f"stage 0 recomputes {sum(pipe.is_checkpointable_results)} of {len(pipe.is_checkpointable_results)} "
+              "layer runs", flush=True)
     return Pipeline(engine=engine, pipe=pipe, codec=codec, loss=loss, micro=ds["train_micro_batch_size_per_gpu"],
                     temperature=tc.grpo.temperature, per_param_grads=per_param,
                     clip=TrueNormClip(engine, pipe, max_norm, per_param),

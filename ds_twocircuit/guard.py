@@ -15,10 +15,13 @@ sampler and the anchor then receive are the last good ones.
 In plain fp32 the guard is the only check. Under bf16, fp16 or ZeRO-1 DeepSpeed's optimizer checks
 the true global norm itself and skips on every rank when it is not finite (with bf16 under ZeRO-1
 only when `bf16.check_grad_overflow` is on, which engine.py sets); there the guard still flags what
-it can see (the lp gradients, the loss) and reports DeepSpeed's decision.
+it can see (the gradients DeepSpeed is about to step from, the loss), so the row names the stage,
+and reports DeepSpeed's decision.
 
 `DS_TWOCIRCUIT_INJECT_NONFINITE="STAGE@STEP[,STAGE@STEP...]"` (steps counted from 0) writes a NaN
-into the first gradient of that stage at that step: the test hook for all of the above.
+into the first gradient of that stage in the backward of that step's updates (a hook on the
+parameter's gradient, so it reaches DeepSpeed's reduction and its bf16/ZeRO partitions as a real
+one would): the test hook for all of the above.
 """
 import contextlib
 import os
@@ -43,6 +46,15 @@ def parse_injections(text: str) -> set[tuple[int, int]]:
     return out
 
 
+def stepped_gradients(opt) -> list[torch.Tensor]:
+    """The gradients DeepSpeed's mixed-precision optimizer steps from, this rank's share: ZeRO-1's
+    reduced flat partitions, or bf16's fp32 accumulators (by then the bf16 .grad may be freed)."""
+    if hasattr(opt, "averaged_gradients"):       # ZeRO stage 1/2 (stage_1_and_2.py): a flat tensor or a list
+        parts = [gs if torch.is_tensor(gs) else list(gs) for gs in opt.averaged_gradients.values() if gs is not None]
+        return [g for p in parts for g in ([p] if torch.is_tensor(p) else p) if g is not None]
+    return [g for g in getattr(opt, "fp32_groups_gradients_flat", []) if g is not None]   # bf16_optimizer.py
+
+
 class FiniteGuard:
     def __init__(self, engine, pipe, loss_slot, own_skip: bool):
         """`loss_slot`: the last stage's running-pass holder (passes.LastStage); `own_skip`: this
@@ -51,6 +63,8 @@ class FiniteGuard:
         self.params = [p for p in pipe.parameters() if p.requires_grad]
         self.inject = parse_injections(os.environ.get("DS_TWOCIRCUIT_INJECT_NONFINITE", ""))
         self.step_t, self.verdict = None, None
+        if any(stage == pipe.stage_id for stage, _ in self.inject):
+            self.params[0].register_hook(self._poison)
         opt = engine.optimizer
         self._inner = opt.step
         opt.step = self._step
@@ -66,11 +80,17 @@ class FiniteGuard:
         finally:
             self.step_t, self.verdict = None, None
 
+    def _poison(self, g: torch.Tensor) -> torch.Tensor:
+        if (self.pipe.stage_id, self.step_t) not in self.inject:
+            return g
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
     @torch.no_grad()
     def _local_bad(self) -> bool:
-        if (self.pipe.stage_id, self.step_t) in self.inject and self.params[0].grad is not None:
-            self.params[0].grad.view(-1)[0] = float("nan")
-        grads_bad = any(not torch.isfinite(p.grad).all() for p in self.params if p.grad is not None)
+        grads = [p.grad for p in self.params if p.grad is not None] + stepped_gradients(self.engine.optimizer)
+        grads_bad = any(not torch.isfinite(g).all() for g in grads)
         loss = self.loss_slot.current
         sums = getattr(loss, "sums", {}) if loss is not None else {}
         return grads_bad or any(not torch.isfinite(v).all() for v in sums.values())

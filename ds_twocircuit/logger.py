@@ -1,5 +1,10 @@
 """The run's logger: one flat namespaced dict per step to `metrics.jsonl` (and wandb, offline unless
 the user is logged in or WANDB_MODE says otherwise); held-out evaluations to `eval.jsonl`. Rank 0 only.
+
+The monitor sections of the DeepSpeed config act here, on these rows: `tensorboard`, `csv_monitor`
+and `comet` receive every metric through DeepSpeed's own monitors, and `wandb` names the project,
+group and team of the run's wandb run. (The engine gets none of them: it would log each pass's
+loss, and most passes here are log-prob passes.)
 """
 import json
 import os
@@ -14,6 +19,7 @@ class RunLogger:
         for name in ("metrics.jsonl", "eval.jsonl"):
             _truncate_after(run_dir / name, resume_step)
         self.wandb = _start_wandb(run_dir, config, project) if use_wandb else None
+        self.monitor = _deepspeed_monitors(config)
 
     def log(self, row: dict, file: str = "metrics.jsonl") -> None:
         with open(self.run_dir / file, "a") as f:
@@ -21,6 +27,10 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
                             for k, v in row.items()}, step=row["step"])
+        if self.monitor is not None:
+            prefix = "eval/" if file == "eval.jsonl" else ""
+            self.monitor.write_events([(prefix + k, float(v), row["step"]) for k, v in row.items()
+                                       if k != "step" and isinstance(v, (int, float))])
 
     def rows(self, file: str = "metrics.jsonl") -> list[dict]:
         path = self.run_dir / file
@@ -46,4 +56,16 @@ def _start_wandb(run_dir: pathlib.Path, config: dict, project: str):
     mode = os.environ.get("WANDB_MODE")
     if mode is None:
         mode = "online" if wandb.api.api_key else "offline"
-    return wandb.init(project=project, dir=str(run_dir), config=config, mode=mode, name=run_dir.name)
+    ds = config.get("wandb", {}) if config.get("wandb", {}).get("enabled") else {}
+    return wandb.init(project=ds.get("project", project), group=ds.get("group"), entity=ds.get("team"),
+                      dir=str(run_dir), config=config, mode=mode, name=run_dir.name)
+
+
+def _deepspeed_monitors(config: dict):
+    """DeepSpeed's MonitorMaster over the config's enabled tensorboard/csv_monitor/comet sections, or None."""
+    sections = {k: config[k] for k in ("tensorboard", "csv_monitor", "comet") if config.get(k, {}).get("enabled")}
+    if not sections:
+        return None
+    from deepspeed.monitor.config import get_monitor_config
+    from deepspeed.monitor.monitor import MonitorMaster
+    return MonitorMaster(get_monitor_config(sections))

@@ -16,7 +16,11 @@ metric has a name part that starts with "_".
                 bytes sent by direction, the codec payload with its dense size over all passes, over
                 the update passes only (the only ones with a backward) the payloads' gradients with
                 their dense size, and the fp32 tensors' bytes by direction; probe/_bytes_fwd
+    memory      memory/peak_rss_mib/stage{s}: the stage's process's peak resident memory so far
+                (data-parallel rank 0; a machine's reading, not a result: identity checks skip it)
 """
+import resource
+import sys
 import zlib
 
 import torch
@@ -61,6 +65,12 @@ def per_stage(names, stage: int, num_stages: int, prefix: str, values) -> dict[s
     """`prefix/name/stage{s}` for every stage s: `values` at this stage's slot, 0 at the others'."""
     return {f"{prefix}/{n}/stage{s}": (float(v) if s == stage else 0.0)
             for s in range(num_stages) for n, v in zip(names, values)}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size since it started, MiB (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def movement_partials(params, base, stage: int, num_stages: int, counted: bool) -> dict[str, float]:
@@ -127,4 +137,5 @@ def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -
     out.update(finish_correction(r, compared))
     out.update(finish_movement(r, num_stages))
     out.update(finish_wire(r, num_stages))
+    out.update({k: v for k, v in r.items() if k.startswith("memory/")})
     return out

@@ -372,6 +372,8 @@ class Trainer:
         partials.update(telemetry.per_stage(telemetry.WIRE, p.stage, p.num_stages, "codec", [
             wire.fwd, wire.bwd, eval_pay.payload + train_pay.payload, eval_pay.dense + train_pay.dense,
             train_pay.grad, train_pay.dense, wire.fwd_fp32, wire.bwd_fp32]))
+        partials.update(telemetry.per_stage(["peak_rss_mib"], p.stage, p.num_stages, "memory",
+                                            [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
         if probe is not None:
             partials.update(probe.partials)
         grad_norm = float("nan") if verdict.skipped else float(np.mean([u.grad_norm for u in updates]))

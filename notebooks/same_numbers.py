@@ -6,7 +6,7 @@
 A change that should not change numbers proves it: each commit is checked out into its own git
 worktree and runs each recipe there (`deepspeed --num_gpus 8 launch/train.py`, its own package on
 the path, the anchor process included), then every `metrics.jsonl` row, every `eval.jsonl` row and
-every exported weight are compared exactly. Wall-clock keys (`timing/*`, `anchor/wait`) are left out
+every exported weight are compared exactly. Machine readings (`timing/*`, `anchor/wait`, `memory/*`) are left out
 of the comparison; nothing else is. A commit's runs are kept under OUT/<sha>/<recipe> and reused
 when complete, so comparing a new commit against an old one reruns only the new one. Exit status
 1 when anything differs. Runs share one model cache (`$DS_TWOCIRCUIT_CACHE`), one at a time.
@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = {"dense": ("dense", []), "prf95": ("prf95", []), "lowrank": ("lowrank", []),
            "lowrank_drift": ("lowrank_drift", ["control.enabled=true"]),
            "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"])}
-WALL_CLOCK = ("timing/", "anchor/wait")
+WALL_CLOCK = ("timing/", "anchor/wait", "memory/")
 # the launcher of the interpreter running this script, found without an activated venv
 DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed") or "deepspeed"
 

@@ -198,7 +198,11 @@ def _shape_msg(k: str) -> bool:
     return k.startswith("codec/") and k.endswith(("bytes_fwd", "bytes_fwd_bf16")) or k == "codec/dense_equiv_bytes"
 
 
-def assert_resumed_rows(full: list[dict], resumed: list[dict], restarts: set[int], volatile=("timing/",)) -> None:
+# keys that read the machine (wall clock, memory), not the run's numbers: identity checks skip them
+VOLATILE = ("timing/", "anchor/wait", "memory/")
+
+
+def assert_resumed_rows(full: list[dict], resumed: list[dict], restarts: set[int], volatile=VOLATILE) -> None:
     """A resumed run's rows equal the uninterrupted run's, bit for bit, but for wall-clock keys and,
     at each step a restarted engine ran first (`restarts`), DeepSpeed's shape message: its first
     send carries one (1 KB per cut), which the uninterrupted run sends again only when its padded

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_resumed_rows, assert_same_weights, ds_cmd, launch, rows, weights
+from conftest import ROOT, VOLATILE, assert_resumed_rows, assert_same_weights, ds_cmd, launch, rows, weights
 from dist_grads import reference_grads
 from ds_twocircuit.control import next_level
 
@@ -47,7 +47,7 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
 
 def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):
     launch(8, tmp_path, "codec.name=prf", "codec.keep=32")
-    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing/", "codec/"))}
+    same = lambda r: {k: v for k, v in r.items() if not k.startswith((*VOLATILE, "codec/"))}
     for ra, rb in zip(rows(eight), rows(tmp_path)):
         assert same(ra) == same(rb), ra["step"]
     wa, wb = [load_file(f) for f in sorted((eight / "model").glob("*.safetensors"))], \
@@ -168,3 +168,37 @@ def test_rotated_codec_resumes_bitwise(rotated, tmp_path):
     assert rows(rotated, "eval.jsonl") == rows(tmp_path, "eval.jsonl")
     wa, wb = weights(rotated), weights(tmp_path)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+@pytest.mark.parametrize("codec", ["prf", "rotated"])
+def test_activation_checkpointing_recomputes_the_same_codes(request, tiny_model, codec, tmp_path):
+    """DeepSpeed's activation checkpointing on every decoder layer (PRF: pipeline.activation_checkpoint_interval
+    with DeepSpeed's reentrant checkpoint; rotated: an activation_checkpointing section alone, with
+    use_reentrant false): each recompute encodes the cut's tensor with the same keys, so every row
+    (losses, cosines of the probe, the wire and payload counts, which a recompute must not count
+    again), every evaluation and every weight equal the fixture run's without checkpointing, bit for
+    bit. DeepSpeed's checkpoint profiler (`profile`, reentrant only) shows that the recomputes ran.
+    (The rotated run also has DeepSpeed's csv_monitor on: it receives every step's metrics as logged.)"""
+    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
+    if codec == "prf":
+        cfg.update(pipeline={"activation_checkpoint_interval": 1}, activation_checkpointing={"profile": True})
+        overrides = PRF_CONTROLLED
+    else:
+        cfg.update(pipeline={"use_reentrant": False}, activation_checkpointing={},
+                   csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "csv"})
+        overrides = ROTATED
+    (tmp_path / "ckpt.json").write_text(json.dumps(cfg))
+    ref = request.getfixturevalue(codec)
+    p = launch(8, tmp_path / "run", *overrides, config=tmp_path / "ckpt.json")
+    assert "stage 0 recomputes 1 of 2 layer runs" in p.stdout, p.stdout[-2000:]
+    if codec == "prf":
+        assert "backward" in p.stdout + p.stderr, "no checkpointed segment ran its backward"
+    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}
+    for ra, rb in zip(rows(ref), rows(tmp_path / "run"), strict=True):
+        assert keep(ra) == keep(rb), (ra["step"], {k: (ra[k], rb.get(k)) for k in keep(ra) if ra[k] != rb.get(k)})
+    assert rows(ref, "eval.jsonl") == rows(tmp_path / "run", "eval.jsonl")
+    wa, wb = weights(ref), weights(tmp_path / "run")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
+    if codec == "rotated":
+        csv = (tmp_path / "csv" / "critic_score_mean.csv").read_text().split()
+        assert [float(l.split(",")[1]) for l in csv[1:]] == [r["critic/score/mean"] for r in rows(tmp_path / "run")]

@@ -55,6 +55,22 @@ def write(tmp_path, mutate):
     (lambda c: None, ["grpo.max_new_tokens=0"], "grpo.max_new_tokens=0: must be >= 1"),
     (lambda c: None, ["model.layers_per_stage={a: 1}"], "model.layers_per_stage"),
     (lambda c: c.update(train_micro_batch_size_per_gpu=[]), [], "train_micro_batch_size_per_gpu=[]"),
+    # the DeepSpeed sections a user brings: a key that would not do here what it reads as is refused
+    (lambda c: c.update(pipeline={"partition": "parameters"}), [], "pipeline.partition='parameters': the split is explicit"),
+    (lambda c: c.update(pipeline={"stages": 4}), [], "pipeline.stages=4, but model.layers_per_stage has 8"),
+    (lambda c: c.update(pipeline={"seed_layers": True}), [], "pipeline.seed_layers"),
+    (lambda c: c.update(pipeline={"activation_checkpoint_intervall": 1}), [], "pipeline.activation_checkpoint_intervall"),
+    (lambda c: c.update(pipeline={"activation_checkpoint_interval": -1}), [], "activation_checkpoint_interval=-1"),
+    (lambda c: c.update(pipeline={"use_reentrant": "no"}), [], "pipeline.use_reentrant='no'"),
+    (lambda c: c.update(activation_checkpointing={"partition_activations": True}), [], "partition_activations: acts on"),
+    (lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), [], "cpu_checkpointing: acts on"),
+    (lambda c: c.update(activation_checkpointing={"contiguous_memory_optimization": True}), [], "contiguous_memory"),
+    (lambda c: c.update(activation_checkpointing={}, pipeline={"activation_checkpoint_interval": 0}), [],
+     "checkpointing is off"),
+    (lambda c: c.update(activation_checkpointing={"profile": True}, pipeline={"use_reentrant": False}), [],
+     "profile with pipeline.use_reentrant=false"),
+    (lambda c: c.update(tensorboard={"enabled": True}), [], "tensorboard.enabled needs the 'tensorboard' package"),
+    (lambda c: c.update(wandb={"enabled": True}), [], "wandb.enabled with log.wandb=false"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
     t0 = time.time()
@@ -62,6 +78,25 @@ def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
         load_config(write(tmp_path, mutate), overrides, world_size=8)
     assert needle in str(e.value), str(e.value)
     assert time.time() - t0 < 5
+
+
+def test_the_deepspeed_sections_a_user_brings_reach_the_engine_as_they_read(tmp_path):
+    """Honored: the checkpoint interval (an activation_checkpointing section alone means every decoder
+    layer), use_reentrant, pipe_/grad_partitioned (no-ops without tensor parallelism, as in DeepSpeed),
+    stages equal to ours; the monitor sections go to the run's logger, not to the engine."""
+    from ds_twocircuit.config.deepspeed_keys import engine_config
+    cases = [({}, 0), ({"activation_checkpointing": {"profile": True}}, 1),
+             ({"pipeline": {"activation_checkpoint_interval": 2, "use_reentrant": False, "stages": 8,
+                            "pipe_partitioned": False, "grad_partitioned": True}}, 2),
+             ({"pipeline": {"activation_checkpoint_interval": 3}, "activation_checkpointing": {}}, 3)]
+    for extra, interval in cases:
+        ds = load_config(write(tmp_path, lambda c: c.update(extra)), [], world_size=8).ds
+        assert engine_config(ds)["pipeline"]["activation_checkpoint_interval"] == interval, extra
+        assert {k: v for k, v in engine_config(ds)["pipeline"].items() if k != "activation_checkpoint_interval"} == \
+            {k: v for k, v in extra.get("pipeline", {}).items() if k != "activation_checkpoint_interval"}
+    csv = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path)}}
+    ds = load_config(write(tmp_path, lambda c: c.update(csv)), [], world_size=8).ds
+    assert "csv_monitor" in ds and "csv_monitor" not in engine_config(ds)
 
 
 def test_vllm_backend_without_vllm_says_how_to_install(tmp_path, monkeypatch):

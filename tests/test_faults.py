@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ANCHORED, ROOT, rank_processes, assert_resumed_rows, assert_same_weights, launch, launch_cmd, rows, weights
+from conftest import ANCHORED, ROOT, VOLATILE, rank_processes, assert_resumed_rows, assert_same_weights, launch, launch_cmd, rows, weights
 
 pytestmark = pytest.mark.dist
 
@@ -43,8 +43,56 @@ def test_nonfinite_steps_are_skipped_on_every_stage_and_too_many_in_a_row_stop_t
     assert "2 steps in a row skipped" in lines[0] and "train.max_skipped_steps=2" in lines[0]
 
 
+def test_nonfinite_step_is_skipped_under_bf16_zero1_with_replicas_and_the_anchor(tiny_model, tmp_path):
+    """The 1.5B recipe's precision: bf16, ZeRO-1, 2 stages x 2 data-parallel replicas, the anchor on
+    (sync, every step), a warm-up LR schedule (its rates large enough to move bf16 weights). NaN in stage 0's gradient at step 2: DeepSpeed's own
+    overflow check (bf16.check_grad_overflow, which engine.py turns on) skips the step on every stage
+    and replica, the row names stage 0, and between the checkpoints of steps 1 and 2 nothing moved:
+    every replica's weights, fp32 master partitions, AdamW moments and step counts, and the LR
+    schedule's tick are bit for bit equal, while step 3 trains again."""
+    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
+    cfg.update(bf16={"enabled": True}, zero_optimization={"stage": 1},
+               scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 2e-3,
+                                                         "warmup_num_steps": 10, "warmup_type": "linear"}})
+    (tmp_path / "bf16.json").write_text(json.dumps(cfg))
+    run = tmp_path / "run"
+    launch(4, run, "model.layers_per_stage=[4,4]", "anchor.enabled=true", "anchor.mode=sync", "anchor.every=1",
+           "anchor.staleness=1", "anchor.timeout=60", "train.steps=3", "train.save_every=1", "train.eval_every=100",
+           config=tmp_path / "bf16.json", env={INJECT: "0@1"})
+    r = rows(run)
+    assert [x["train/skipped_step"] for x in r] == [0.0, 1.0, 0.0]
+    assert [x["train/nonfinite_stage"] for x in r] == [-1.0, 0.0, -1.0]
+    for s in range(2):
+        key = f"weights/rel_change/stage{s}"
+        assert r[1][key] == r[0][key] != r[2][key], key
+    load = lambda tag, name: torch.load(run / "checkpoints" / tag / name, map_location="cpu", weights_only=False)
+    files = sorted(f.name for f in (run / "checkpoints" / "step1").glob("*.pt"))
+    assert sum("optim_states" in f for f in files) == 4, files          # one ZeRO-1 partition per rank
+    moved = set()
+    for name in files:
+        a, b, c = (load(tag, name) for tag in ("step1", "step2", "step3"))
+        if "_model_states" in name and name.startswith("mp_rank"):     # the engine's counters, per stage
+            assert (a["skipped_steps"], b["skipped_steps"], c["skipped_steps"]) == (0, 1, 1), name
+            assert a["lr_scheduler"] == b["lr_scheduler"] != c["lr_scheduler"], name
+        else:                                    # weights (layer_*), fp32 partitions and moments (optim_states)
+            assert _tensors(a) == _tensors(b), name
+            moved |= {name} if _tensors(c) != _tensors(b) else set()
+    assert {f for f in files if "optim_states" in f} <= moved and any(f.startswith("layer_") for f in moved)
+
+
+def _tensors(tree) -> list:
+    """Every tensor and number in a checkpoint's state, flattened in order, as comparable bytes; but
+    the optimizer's `overflow` flag, which records the skip itself."""
+    if isinstance(tree, torch.Tensor):
+        return [(tree.dtype, tuple(tree.shape), tree.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())]
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree, key=str) if k != "overflow" for x in [str(k)] + _tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in _tensors(v)]
+    return [tree] if isinstance(tree, (int, float, bool, str)) or tree is None else []
+
+
 # ---- crash consistency of the two circuits (anchor/mailbox.py: rewind) -------------------------
-VOLATILE = ("timing/", "anchor/wait")   # wall-clock readings
 
 
 def _trainer_procs(launcher: psutil.Process) -> dict[int, psutil.Process]:

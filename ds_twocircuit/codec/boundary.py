@@ -23,7 +23,9 @@ them behind for the next one:
     with codec.off():              every cut inside is the identity (dense steps, the probe)
     with codec.counting() as n:    n.payload, n.dense, n.grad: bytes of the payloads encoded inside,
                                    what the same activations weigh dense, and what their gradients
-                                   carry back (the wire accounting)
+                                   carry back (the wire accounting); an activation checkpoint's
+                                   recompute, which runs inside the backward and sends nothing, is
+                                   not counted
 """
 import contextlib
 import math
@@ -89,6 +91,11 @@ class Codec:
     def active(self, layer: int) -> bool:
         return self._on and self.name != "dense" and layer in self.cuts
 
+    def _counted(self) -> PayloadCount | None:
+        """The open count, unless this is a recompute: autograd is running a backward (the graph task
+        id is -1 outside one; torch.utils.checkpoint reads it the same way)."""
+        return self._count if torch._C._current_graph_task_id() == -1 else None
+
     # ---- the cut ----------------------------------------------------------------------------
     def _keys(self, pos_BT, sid_B, layer: int):
         """(B, T) int64 per-token PRF keys of this step and cut: a token's own, whatever its batch."""
@@ -106,10 +113,10 @@ class Codec:
         else:
             y = x_BTD @ self.bases[layer].to(x_BTD.dtype)
         y = y.to(self.payload_dtype)
-        if self._count is not None:
-            self._count.payload += y.numel() * y.element_size()
-            self._count.grad += y.numel() * y.element_size()
-            self._count.dense += x_BTD.numel() * x_BTD.element_size()
+        if (n := self._counted()) is not None:
+            n.payload += y.numel() * y.element_size()
+            n.grad += y.numel() * y.element_size()
+            n.dense += x_BTD.numel() * x_BTD.element_size()
         return y
 
     def decode(self, y_BTk, pos_BT, sid_B, layer: int, dtype: torch.dtype):
@@ -133,10 +140,10 @@ class Codec:
             return (self.encode(x_BTD, pos_BT, sid_B, layer),)
         keys = self._keys(pos_BT, sid_B, layer)
         carrier, payload = _RotatedSend.apply(x_BTD, keys, self.fwd, self.bwd)
-        if self._count is not None:
-            self._count.payload += carrier.numel() * 2 + payload.numel()
-            self._count.grad += carrier.numel() * 2
-            self._count.dense += x_BTD.numel() * x_BTD.element_size()
+        if (n := self._counted()) is not None:
+            n.payload += carrier.numel() * 2 + payload.numel()
+            n.grad += carrier.numel() * 2
+            n.dense += x_BTD.numel() * x_BTD.element_size()
         return (carrier, payload) if payload.shape[-1] else (carrier,)
 
     def wire_in(self, wire: tuple, pos_BT, sid_B, layer: int, dtype: torch.dtype):

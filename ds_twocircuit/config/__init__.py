@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .checks import validate
-from .deepspeed_keys import check_deepspeed_keys, deepspeed_known_keys
+from .deepspeed_keys import check_deepspeed_keys, check_sections, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
                      ModelConfig, TinyModelConfig, TrainConfig, WideModelConfig, TwoCircuitConfig, describe)
 
@@ -57,6 +57,7 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     block = raw.pop("twocircuit", {})
     tc = merge_twocircuit(block, list(overrides))
     check_deepspeed_keys(raw)
+    check_sections(raw, len(tc.model.layers_per_stage), tc.log.wandb)
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     validate(tc, raw, world_size)
     return RunConfig(tc=tc, ds=raw, world_size=world_size)

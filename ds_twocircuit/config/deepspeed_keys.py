@@ -83,3 +83,84 @@ def _string_keys(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out.add(node.target.id)
     return out
+
+
+# ---- the sections a user brings, each honored or refused -------------------------------------------
+# pipeline: DeepSpeed's pipeline engine reads activation_checkpoint_interval and use_reentrant; the
+# split is ours (model.layers_per_stage), and pipe_/grad_partitioned act only across tensor-parallel
+# ranks, which this pipeline has none of (DeepSpeed's own engine ignores them then).
+PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
+                 "grad_partitioned", "use_reentrant"}
+# activation_checkpointing: these four act only on activations partitioned over tensor-parallel ranks
+PARTITIONED_ONLY = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints")
+CHECKPOINTING_KEYS = {*PARTITIONED_ONLY, "synchronize_checkpoint_boundary", "profile"}
+MONITORS = {"tensorboard": "tensorboard", "csv_monitor": None, "comet": "comet_ml", "wandb": "wandb"}
+
+
+def check_sections(ds: dict, n_stages: int, log_wandb: bool) -> None:
+    """The `pipeline`, `activation_checkpointing` and monitor sections: each key does here what it
+    reads as, or the config is refused naming it."""
+    pipe = ds.get("pipeline", {})
+    for key in pipe:
+        if key not in PIPELINE_KEYS:
+            raise ConfigError(f"DeepSpeed config: pipeline.{key}: not a key of DeepSpeed's pipeline section "
+                              f"({', '.join(sorted(PIPELINE_KEYS))})")
+    if "partition" in pipe:
+        raise ConfigError(f"DeepSpeed config: pipeline.partition={pipe['partition']!r}: the split is explicit here, "
+                          "model.layers_per_stage (decoder layers per stage); remove the key")
+    if pipe.get("stages", "auto") not in ("auto", n_stages):
+        raise ConfigError(f"DeepSpeed config: pipeline.stages={pipe['stages']!r}, but model.layers_per_stage has "
+                          f"{n_stages} stages")
+    if pipe.get("seed_layers", False) is not False:
+        raise ConfigError("DeepSpeed config: pipeline.seed_layers: the layers are loaded from the checkpoint and "
+                          "draw no random numbers, so there is nothing to seed; remove the key")
+    for key in ("pipe_partitioned", "grad_partitioned", "use_reentrant"):
+        if not isinstance(pipe.get(key, True), bool):
+            raise ConfigError(f"DeepSpeed config: pipeline.{key}={pipe[key]!r}: must be true or false")
+    interval = pipe.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ConfigError(f"DeepSpeed config: pipeline.activation_checkpoint_interval={interval!r}: must be an "
+                          "integer >= 0 (decoder layers per recomputed segment; 0: off)")
+    ckpt = ds.get("activation_checkpointing", {})
+    for key in ckpt:
+        if key not in CHECKPOINTING_KEYS:
+            raise ConfigError(f"DeepSpeed config: activation_checkpointing.{key}: not a key of DeepSpeed's "
+                              f"activation checkpointing ({', '.join(sorted(CHECKPOINTING_KEYS))})")
+        if key in PARTITIONED_ONLY and ckpt[key] not in (False, None):
+            raise ConfigError(f"DeepSpeed config: activation_checkpointing.{key}: acts on activations partitioned "
+                              "over tensor-parallel ranks, and this pipeline has none; remove the key")
+    if ckpt.get("profile") and pipe.get("use_reentrant") is False:
+        raise ConfigError("DeepSpeed config: activation_checkpointing.profile with pipeline.use_reentrant=false: "
+                          "DeepSpeed's non-reentrant checkpoint stops a profile timer it never started (an "
+                          "AssertionError in the backward); profile with the reentrant checkpoint")
+    if "activation_checkpointing" in ds and interval == 0 and "activation_checkpoint_interval" in pipe:
+        raise ConfigError("DeepSpeed config: an activation_checkpointing section with "
+                          "pipeline.activation_checkpoint_interval=0: checkpointing is off; remove one of them")
+    check_monitors(ds, log_wandb)
+
+
+def check_monitors(ds: dict, log_wandb: bool) -> None:
+    for key, package in MONITORS.items():
+        if not ds.get(key, {}).get("enabled", False):
+            continue
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"DeepSpeed config: {key}.enabled needs the '{package}' package (pip install {package})")
+    if ds.get("wandb", {}).get("enabled") and not log_wandb:
+        raise ConfigError("DeepSpeed config: wandb.enabled with log.wandb=false: the run's wandb logging is "
+                          "log.wandb (the wandb section names its project, group and team); choose one")
+
+
+def checkpoint_interval(ds: dict) -> int:
+    """Decoder layers per recomputed segment: pipeline.activation_checkpoint_interval, else 1 when the
+    config has an activation_checkpointing section (it asks for checkpointing), else 0 (off)."""
+    pipe = ds.get("pipeline", {})
+    return pipe.get("activation_checkpoint_interval", 1 if "activation_checkpointing" in ds else 0)
+
+
+def engine_config(ds: dict) -> dict:
+    """The DeepSpeed config the engine gets: the checkpoint interval resolved, and no monitor
+    sections (the run's logger writes every step's metrics to them instead of the engine writing
+    each pass's loss: this trainer's passes are log-prob passes and per-mini-batch updates)."""
+    out = {k: v for k, v in ds.items() if k not in MONITORS}
+    out["pipeline"] = {**ds.get("pipeline", {}), "activation_checkpoint_interval": checkpoint_interval(ds)}
+    return out

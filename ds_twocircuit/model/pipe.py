@@ -186,7 +186,13 @@ def explicit_parts(layers_per_stage: list[int]) -> list[int]:
 
 
 class TwoCircuitPipe(PipelineModule):
-    """`PipelineModule` with the split given explicitly as decoder layers per stage."""
+    """`PipelineModule` with the split given explicitly as decoder layers per stage.
+
+    With DeepSpeed's `pipeline.activation_checkpoint_interval` > 0, runs of that many decoder layers
+    are recomputed in the backward; the embedding, norm and head never are (a checkpointed segment
+    made only of decoders: DeepSpeed's reentrant checkpoint would give the embedding no gradient, its
+    input being token ids). A cut's codec runs again in the recompute and gives the same codes: its
+    keys are functions of (seed, cut, step, sample, position), never of a call count."""
 
     def __init__(self, model_dir: str, layers_per_stage: list[int], loss_fn, attn_implementation="sdpa",
                  codec: Codec | None = None, **kw):
@@ -195,7 +201,8 @@ class TwoCircuitPipe(PipelineModule):
         self.layers_per_stage = list(layers_per_stage)
         self.codec = codec or Codec()
         super().__init__(layers=layer_specs(self.config, SafetensorsReader(model_dir), self.codec, self.layers_per_stage),
-                         num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform", **kw)
+                         num_stages=len(layers_per_stage), loss_fn=loss_fn, partition_method="uniform",
+                         checkpointable_layers=["Decoder"], **kw)
 
     def _partition_layers(self, method="uniform"):
         self.parts = explicit_parts(self.layers_per_stage)
