@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The codec frontier on the wide embedded model (model.embedded=wide: d = 384, 28 layers), 100 steps
 # each, one after another (2 cores: one job at a time) under runs/wide/.
-#   [LR=1e-4] notebooks/wide_runs.sh VENV [NAME ...]
+#   [LR=1e-4] [EXTRA="key=value ..." TAG=name] notebooks/wide_runs.sh VENV [NAME ...]
 # LR replaces the recipe's DeepSpeed learning rate (a copy of its JSON under runs/wide/configs/) and
-# the run directory gets the suffix _lrLR.
+# the run directory gets the suffix _lrLR; EXTRA adds overrides to every run (e.g. another warm-start
+# snapshot, model.wide.warmup_steps=250) and TAG the suffix _TAG.
 # The codec runs use the saving the embedded default showed harmless, β = 0 with zero-advantage groups
 # left out of the update (no reference pass at all); shared prompts stay off (they cost the rotated
 # codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
@@ -27,9 +28,10 @@ names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense rot4 dense_b0_skip prf95_cm8 rot2 prf95 dense_s1 rot4_s1 dense_b0_skip_s1 prf95_cm8_s1 rot2_s1 prf95_s1)
 for name in "${names[@]}"; do
   read -r cfg overrides <<< "${RUNS[$name]}"
-  dir=runs/wide/$name
+  overrides="$overrides ${EXTRA:-}"
+  dir=runs/wide/$name${TAG:+_$TAG}
   if [ -n "${LR:-}" ]; then
-    dir=runs/wide/${name}_lr$LR
+    dir=runs/wide/${name}${TAG:+_$TAG}_lr$LR
     mkdir -p runs/wide/configs
     new=runs/wide/configs/$(basename "$cfg" .json)_lr$LR.json
     "$venv/bin/python" -c "import json, sys; c = json.load(open(sys.argv[1])); c['optimizer']['params']['lr'] = float(sys.argv[2]); json.dump(c, open(sys.argv[3], 'w'), indent=1)" "$cfg" "$LR" "$new"

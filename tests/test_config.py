@@ -70,6 +70,12 @@ def write(tmp_path, mutate):
     (lambda c: c.update(activation_checkpointing={"profile": True}, pipeline={"use_reentrant": False}), [],
      "profile with pipeline.use_reentrant=false"),
     (lambda c: c.update(tensorboard={"enabled": True}), [], "tensorboard.enabled needs the 'tensorboard' package"),
+    # a key that nothing reads in this configuration (a shipped recipe has none: test_shipped_recipes_are_valid)
+    (lambda c: None, ["data.dataset=" + str(TINY), "data.split=validation"], "data.split is set but nothing reads it"),
+    (lambda c: None, ["anchor.every=5"], "anchor.every is set but nothing reads it here: anchor.enabled=false"),
+    (lambda c: None, ["codec.name=prf", "codec.fwd_bits=2"], "codec.fwd_bits is set but nothing reads it"),
+    (lambda c: None, ["sampler.kv_cache_gib=2"], "only the vllm backend reads it"),
+    (lambda c: c["twocircuit"]["model"].update(wide={"hidden_size": 64}), [], "model.wide.hidden_size is set"),
     (lambda c: c.update(wandb={"enabled": True}), [], "wandb.enabled with log.wandb=false"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
@@ -152,7 +158,7 @@ def test_resume_refuses_another_config_naming_the_key(tmp_path):
     run = written_run(tmp_path, "codec.name=prf", "train.steps=2")
     again = lambda *o: check_resume(load_config(str(TINY), ["codec.name=prf", *o], world_size=8), run)
     again("train.steps=2")
-    again("train.steps=10", "log.wandb=true", "anchor.timeout=30")        # length, reporting, waiting
+    again("train.steps=10", "log.wandb=true", "train.max_skipped_steps=3")   # length, reporting, patience
     with pytest.raises(ConfigError, match=r"codec\.seed was 0, now 3"):
         again("codec.seed=3")
     with pytest.raises(ConfigError, match=r"codec\.name was 'prf', now 'dense'"):
@@ -194,12 +200,15 @@ def test_launcher_refuses_to_resume_another_config_with_one_line(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(path):
     """Every recipe in ds_configs/ loads; one naming a model that is not on this machine (the 1.5B
-    recipe) is checked as far as it can be without it: our block's schema and DeepSpeed's keys."""
-    from ds_twocircuit.config import check_deepspeed_keys, merge_twocircuit
+    recipe) is checked as far as it can be without it: our block's schema, DeepSpeed's keys, and that
+    every key it sets is read in its configuration."""
+    from ds_twocircuit.config import _flat, check_deepspeed_keys, merge_twocircuit
+    from ds_twocircuit.config.checks import check_set_keys
     raw = json.loads(path.read_text())
     block = raw.pop("twocircuit")
     tc = merge_twocircuit(block, [])
     check_deepspeed_keys(raw)
+    check_set_keys(tc, set(_flat(block)))        # every key the recipe sets is read for it
     if not tc.model.path:
         load_config(str(path), [], world_size=8)
 

@@ -28,6 +28,18 @@ def dotted_keys(cls=TwoCircuitConfig, prefix="") -> list[str]:
     return out
 
 
+# the switch under which a fuzzed key is read (a key nothing reads is refused as such, before its value)
+CONTEXT = {"anchor.": "anchor.enabled=true", "control.": "control.enabled=true", "codec.keep": "codec.name=prf",
+           "codec.payload_dtype": "codec.name=prf", "codec.fwd_": "codec.name=rotated", "codec.bwd_": "codec.name=rotated",
+           "codec.boundaries": "codec.name=prf", "codec.seed": "codec.name=prf", "model.wide.": "model.embedded=wide",
+           "data.system_prompt": "data.chat_template=true", "log.project": "log.wandb=true"}
+
+
+def in_context(override: str) -> list[str]:
+    switch = next((v for k, v in CONTEXT.items() if override.startswith(k)), None)
+    return [switch, override] if switch else [override]
+
+
 def cases(n: int, seed: int = 0) -> list[list[str]]:
     rng, keys = random.Random(seed), dotted_keys()
     sections = sorted({k.rsplit(".", 1)[0] for k in keys})
@@ -37,7 +49,8 @@ def cases(n: int, seed: int = 0) -> list[list[str]]:
             key = f"{rng.choice(sections)}.{rng.choice(['bogus', 'stepz', 'lr_', 'x'])}{rng.randrange(100)}"
         else:
             key = rng.choice(keys)
-        out.append([f"{key}={rng.choice(VALUES)}"] + ([f"{rng.choice(keys)}={rng.choice(VALUES)}"] if i % 3 == 0 else []))
+        out.append(in_context(f"{key}={rng.choice(VALUES)}") +
+                   (in_context(f"{rng.choice(keys)}={rng.choice(VALUES)}") if i % 3 == 0 else []))
     return out
 
 

@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .checks import validate
+from .checks import check_set_keys, validate
 from .deepspeed_keys import check_deepspeed_keys, check_sections, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
                      ModelConfig, TinyModelConfig, TrainConfig, WideModelConfig, TwoCircuitConfig, describe)
@@ -60,6 +60,10 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     check_sections(raw, len(tc.model.layers_per_stage), tc.log.wandb)
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     validate(tc, raw, world_size)
+    # a key is refused where it is set: the recipe's in the recipe's own configuration (an override
+    # may switch a mode and leave some of them unread), an override's in the run's
+    check_set_keys(merge_twocircuit(block, []) if overrides else tc, set(_flat(block)))
+    check_set_keys(tc, {o.split("=", 1)[0].lstrip("+") for o in overrides})
     return RunConfig(tc=tc, ds=raw, world_size=world_size)
 
 

@@ -225,3 +225,52 @@ def _hf_config_value(model: ModelConfig, key: str) -> int:
                               f"cache (fetch it first: hf download {model.path}) ({str(e).splitlines()[0]})") from None
     cfg = json.loads(cfg_file.read_text())
     return cfg.get(key) or cfg["text_config"][key]
+
+
+def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
+    """Key prefix → why no code reads it in this configuration. A key the user sets (in the recipe or
+    on the command line) under one of these prefixes would not do what it reads as."""
+    c, out = tc.codec, {}
+    if c.name not in ("prf", "lowrank"):
+        out.update({f"codec.{k}": f"only the prf and lowrank codecs read it (codec.name='{c.name}')"
+                    for k in ("keep_ratio", "keep", "payload_dtype")})
+    if c.name != "rotated":
+        out.update({f"codec.{k}": f"only the rotated codec reads it (codec.name='{c.name}')"
+                    for k in ("fwd_coords", "fwd_bits", "bwd_coords", "bwd_bits")})
+    if c.name == "dense":
+        out.update({f"codec.{k}": "the dense codec has no cuts to configure" for k in ("boundaries", "seed")})
+    if not tc.anchor.enabled:
+        out.update({f"anchor.{f.name}": "anchor.enabled=false" for f in dataclasses.fields(AnchorConfig) if f.name != "enabled"})
+    if not tc.control.enabled:
+        out.update({f"control.{f.name}": "control.enabled=false" for f in dataclasses.fields(type(tc.control))
+                    if f.name != "enabled"})
+    if tc.sampler.backend != "vllm":
+        out.update({f"sampler.{k}": f"only the vllm backend reads it (sampler.backend='{tc.sampler.backend}')"
+                    for k in ("kv_cache_gib", "gpu_memory_utilization", "enforce_eager")})
+    if not tc.log.wandb:
+        out["log.project"] = "log.wandb=false"
+    if not tc.data.chat_template:
+        out["data.system_prompt"] = "data.chat_template=false"
+    d = tc.data
+    if d.dataset == "synthetic" or pathlib.Path(d.dataset).exists():
+        out["data.split"] = "a local file or the synthetic task has no splits to choose"
+    if (d.eval_dataset or d.dataset) == "synthetic" or pathlib.Path(d.eval_dataset or d.dataset).exists():
+        out["data.eval_split"] = "the held-out rows are a local file or the synthetic task's own split"
+    if d.dataset == "synthetic":
+        out.update({f"data.{k}": "the synthetic task has its own columns" for k in ("problem_key", "answer_key")})
+    if tc.model.path:
+        out.update({"model.tiny": f"model.path is set: no embedded model is built",
+                    "model.wide": "model.path is set: no embedded model is built",
+                    "model.embedded": "model.path is set: no embedded model is built"})
+    else:
+        out["model.wide" if tc.model.embedded == "tiny" else "model.tiny"] = f"model.embedded='{tc.model.embedded}'"
+    return out
+
+
+def check_set_keys(tc: TwoCircuitConfig, set_keys: set[str]) -> None:
+    """Refuse a key the user set that nothing reads in this configuration (inert_keys)."""
+    inert = inert_keys(tc)
+    for key in sorted(set_keys):
+        hit = next((p for p in inert if key == p or key.startswith(p + ".")), None)
+        if hit:
+            raise ConfigError(f"{key} is set but nothing reads it here: {inert[hit]}; remove it")
