@@ -224,7 +224,7 @@ def main(argv=None) -> None:
         while not pathlib.Path(cfg).is_file():   # started before the trainer: wait for its config
             time.sleep(0.5)
     from ..config import load_or_exit, load_recipe
-    run = load_or_exit(load_recipe, cfg, args.overrides)
+    run = load_or_exit(load_recipe, cfg, args.overrides, not args.ds_config)   # the trainer's resolved config
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port())})
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -45,8 +45,11 @@ class RunConfig:
         return self.world_size // self.num_stages
 
 
-def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int | None = None) -> RunConfig:
-    """Read the JSON, apply dotlist overrides, validate everything. Raises ConfigError."""
+def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int | None = None,
+                resolved: bool = False) -> RunConfig:
+    """Read the JSON, apply dotlist overrides, validate everything. Raises ConfigError. `resolved`:
+    the file is a run's whole resolved config (the anchor's copy), whose every key is written out,
+    so keys nothing reads are not refused again (the run that wrote it was checked as the user set it)."""
     path = pathlib.Path(ds_config_path)
     if not path.is_file():
         raise ConfigError(f"--ds-config {ds_config_path}: no such file")
@@ -62,7 +65,8 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     validate(tc, raw, world_size)
     # a key is refused where it is set: the recipe's in the recipe's own configuration (an override
     # may switch a mode and leave some of them unread), an override's in the run's
-    check_set_keys(merge_twocircuit(block, []) if overrides else tc, set(_flat(block)))
+    if not resolved:
+        check_set_keys(merge_twocircuit(block, []) if overrides else tc, set(_flat(block)))
     check_set_keys(tc, {o.split("=", 1)[0].lstrip("+") for o in overrides})
     return RunConfig(tc=tc, ds=raw, world_size=world_size)
 
@@ -131,7 +135,7 @@ def _flat(tree, prefix: str = "") -> dict:
     return out
 
 
-def load_recipe(ds_config_path: str, overrides: list[str] = ()) -> RunConfig:
+def load_recipe(ds_config_path: str, overrides: list[str] = (), resolved: bool = False) -> RunConfig:
     """`load_config` for a single process outside the trainer's world (the anchor, evaluation):
     validated as for one data-parallel replica of the recipe's pipeline."""
     try:
@@ -139,7 +143,7 @@ def load_recipe(ds_config_path: str, overrides: list[str] = ()) -> RunConfig:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"--ds-config {ds_config_path}: {e}") from None
     n_stages = len(merge_twocircuit(block, list(overrides)).model.layers_per_stage)
-    return load_config(ds_config_path, overrides, world_size=n_stages)
+    return load_config(ds_config_path, overrides, world_size=n_stages, resolved=resolved)
 
 
 def merge_twocircuit(block: dict, overrides: list[str]) -> TwoCircuitConfig:
