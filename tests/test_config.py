@@ -70,6 +70,8 @@ def write(tmp_path, mutate):
     (lambda c: c.update(activation_checkpointing={"profile": True}, pipeline={"use_reentrant": False}), [],
      "profile with pipeline.use_reentrant=false"),
     (lambda c: c.update(tensorboard={"enabled": True}), [], "tensorboard.enabled needs the 'tensorboard' package"),
+    (lambda c: c.update(curriculum_learning={"enabled": True}), [], "curriculum_learning: acts on DeepSpeed's dataloader"),
+    (lambda c: c.update(elasticity={"enabled": True}), [], "elasticity: acts on DeepSpeed's dataloader"),
     # a key that nothing reads in this configuration (a shipped recipe has none: test_shipped_recipes_are_valid)
     (lambda c: None, ["data.dataset=" + str(TINY), "data.split=validation"], "data.split is set but nothing reads it"),
     (lambda c: None, ["anchor.every=5"], "anchor.every is set but nothing reads it here: anchor.enabled=false"),

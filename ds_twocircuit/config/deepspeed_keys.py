@@ -95,11 +95,18 @@ PIPELINE_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_in
 PARTITIONED_ONLY = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints")
 CHECKPOINTING_KEYS = {*PARTITIONED_ONLY, "synchronize_checkpoint_boundary", "profile"}
 MONITORS = {"tensorboard": "tensorboard", "csv_monitor": None, "comet": "comet_ml", "wandb": "wandb"}
+# DeepSpeed's data pipeline: the trainer hands the engine its micro-batches itself (the step's
+# rollouts), so DeepSpeed's dataloader, and what reshapes its batches, never runs
+DATA_PIPELINE = ("curriculum_learning", "data_efficiency", "elasticity", "dataloader_drop_last")
 
 
 def check_sections(ds: dict, n_stages: int, log_wandb: bool) -> None:
     """The `pipeline`, `activation_checkpointing` and monitor sections: each key does here what it
     reads as, or the config is refused naming it."""
+    for key in DATA_PIPELINE:
+        if key in ds:
+            raise ConfigError(f"DeepSpeed config: {key}: acts on DeepSpeed's dataloader, which this trainer does not "
+                              "use (each step's rollouts are its micro-batches); remove the key")
     pipe = ds.get("pipeline", {})
     for key in pipe:
         if key not in PIPELINE_KEYS:
