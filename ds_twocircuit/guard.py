@@ -50,8 +50,10 @@ def stepped_gradients(opt) -> list[torch.Tensor]:
     """The gradients DeepSpeed's mixed-precision optimizer steps from, this rank's share: ZeRO-1's
     reduced flat partitions, or bf16's fp32 accumulators (by then the bf16 .grad may be freed)."""
     if hasattr(opt, "averaged_gradients"):       # ZeRO stage 1/2 (stage_1_and_2.py): a flat tensor or a list
-        parts = [gs if torch.is_tensor(gs) else list(gs) for gs in opt.averaged_gradients.values() if gs is not None]
-        return [g for p in parts for g in ([p] if torch.is_tensor(p) else p) if g is not None]
+        out = []
+        for gs in opt.averaged_gradients.values():
+            out += [gs] if torch.is_tensor(gs) else [g for g in gs or [] if g is not None]
+        return out
     return [g for g in getattr(opt, "fp32_groups_gradients_flat", []) if g is not None]   # bf16_optimizer.py
 
 

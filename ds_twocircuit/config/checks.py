@@ -259,9 +259,7 @@ def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
     if d.dataset == "synthetic":
         out.update({f"data.{k}": "the synthetic task has its own columns" for k in ("problem_key", "answer_key")})
     if tc.model.path:
-        out.update({"model.tiny": f"model.path is set: no embedded model is built",
-                    "model.wide": "model.path is set: no embedded model is built",
-                    "model.embedded": "model.path is set: no embedded model is built"})
+        out.update({f"model.{k}": "model.path is set: no embedded model is built" for k in ("tiny", "wide", "embedded")})
     else:
         out["model.wide" if tc.model.embedded == "tiny" else "model.tiny"] = f"model.embedded='{tc.model.embedded}'"
     return out

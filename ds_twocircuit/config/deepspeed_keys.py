@@ -108,10 +108,7 @@ def check_sections(ds: dict, n_stages: int, log_wandb: bool) -> None:
             raise ConfigError(f"DeepSpeed config: {key}: acts on DeepSpeed's dataloader, which this trainer does not "
                               "use (each step's rollouts are its micro-batches); remove the key")
     pipe = ds.get("pipeline", {})
-    for key in pipe:
-        if key not in PIPELINE_KEYS:
-            raise ConfigError(f"DeepSpeed config: pipeline.{key}: not a key of DeepSpeed's pipeline section "
-                              f"({', '.join(sorted(PIPELINE_KEYS))})")
+    _only_known("pipeline", pipe, PIPELINE_KEYS)
     if "partition" in pipe:
         raise ConfigError(f"DeepSpeed config: pipeline.partition={pipe['partition']!r}: the split is explicit here, "
                           "model.layers_per_stage (decoder layers per stage); remove the key")
@@ -129,10 +126,8 @@ def check_sections(ds: dict, n_stages: int, log_wandb: bool) -> None:
         raise ConfigError(f"DeepSpeed config: pipeline.activation_checkpoint_interval={interval!r}: must be an "
                           "integer >= 0 (decoder layers per recomputed segment; 0: off)")
     ckpt = ds.get("activation_checkpointing", {})
+    _only_known("activation_checkpointing", ckpt, CHECKPOINTING_KEYS)
     for key in ckpt:
-        if key not in CHECKPOINTING_KEYS:
-            raise ConfigError(f"DeepSpeed config: activation_checkpointing.{key}: not a key of DeepSpeed's "
-                              f"activation checkpointing ({', '.join(sorted(CHECKPOINTING_KEYS))})")
         if key in PARTITIONED_ONLY and ckpt[key] not in (False, None):
             raise ConfigError(f"DeepSpeed config: activation_checkpointing.{key}: acts on activations partitioned "
                               "over tensor-parallel ranks, and this pipeline has none; remove the key")
@@ -144,6 +139,13 @@ def check_sections(ds: dict, n_stages: int, log_wandb: bool) -> None:
         raise ConfigError("DeepSpeed config: an activation_checkpointing section with "
                           "pipeline.activation_checkpoint_interval=0: checkpointing is off; remove one of them")
     check_monitors(ds, log_wandb)
+
+
+def _only_known(name: str, section: dict, known: set[str]) -> None:
+    for key in section:
+        if key not in known:
+            raise ConfigError(f"DeepSpeed config: {name}.{key}: not a key of DeepSpeed's {name} section "
+                              f"({', '.join(sorted(known))})")
 
 
 def check_monitors(ds: dict, log_wandb: bool) -> None:
