@@ -1,6 +1,6 @@
 """Per-cut NMSE of boundary codecs on real tensors of the embedded default (issue 12, item 4).
 
-    python notebooks/codec_nmse.py [--prompts 32] [--group 8] [--wide]
+    python notebooks/codec_nmse.py [--prompts 32] [--group 8] [--wide | --embedded-wide] [--tiles 16 64 128]
 
 One GRPO-sized batch (B prompts × G samples from the HF sampler, the base model), one dense forward
 and backward of the sampled tokens' log-likelihood through the HF model; at each of the 7 cuts of
@@ -8,6 +8,8 @@ the 8-stage split, the activation x (forward) and the gradient g (backward) of e
 kept. For each codec, NMSE = Σ‖x̂ − x‖² / Σ‖x‖² per cut (and the same for g), each token keyed as
 in training (seed, cut layer, step 1, sample, position). The activations only pass through one codec
 at a time here: what the compressed pipeline's later cuts see after earlier cuts is not measured.
+`--tiles`: each rotated budget also with an 8-bit scale per that many coordinates (protocol v2).
+`--embedded-wide`: the warm-started wide embedded model (`model.embedded=wide`, d = 384).
 `--wide`: the model of `prf95_wide.json` (8 layers at hidden 1536, 12 heads, random init, no warm
 start, 8 stages of 1 layer), budgets scaled to its width; a random-init model has none of a trained
 LLM's outlier channels, so its numbers say nothing about those.
@@ -22,7 +24,7 @@ import torch  # noqa: E402
 
 from ds_twocircuit.codec import prf, rotated  # noqa: E402
 from ds_twocircuit.codec.geometry import cut_layers  # noqa: E402
-from ds_twocircuit.config.schema import TinyModelConfig  # noqa: E402
+from ds_twocircuit.config.schema import TinyModelConfig, WideModelConfig  # noqa: E402
 from ds_twocircuit.data.synthetic import synthetic_splits  # noqa: E402
 from ds_twocircuit.model.pipe import positions_from_mask  # noqa: E402
 from ds_twocircuit.model.tiny import ensure_tiny_model  # noqa: E402
@@ -69,19 +71,27 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--wide", action="store_true", help="the 1536-wide random-init model of prf95_wide.json")
+    ap.add_argument("--embedded-wide", action="store_true", help="the warm-started wide embedded model (d = 384)")
+    ap.add_argument("--tiles", type=int, nargs="*", default=[16, 64, 128],
+                    help="also code with an 8-bit scale per this many coordinates (protocol v2), each below d")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.wide:
         tiny = TinyModelConfig(hidden_size=1536, num_layers=8, num_heads=12, num_kv_heads=2, warmup_steps=0)
         cuts = cut_tensors(ensure_tiny_model(tiny, 16), a.prompts, a.group, [1] * 8)
+    elif a.embedded_wide:
+        cuts = cut_tensors(ensure_tiny_model(WideModelConfig(), 512, "wide"), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
     else:
         cuts = cut_tensors(ensure_tiny_model(TinyModelConfig(), 512), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
     d = next(iter(cuts.values()))[0].shape[-1]
     k = round(0.05 * d)
     codecs = {f"prf k={k} fp32 ({4 * k} B)": lambda x, keys, dr: prf_roundtrip(x, keys, k)}
+    tiles = [0] + [t for t in a.tiles if t < d]
     for m, bits in ((d * 5 // 8, 2), (d, 2), (d, 3), (d, 4)):   # at d = 64: 40, 64, 64, 64 coordinates
-        b = rotated.Budget(d, m, bits)
-        codecs[f"rotated m={m} {bits}-bit ({b.bytes_per_token} B)"] = lambda x, k, dr, b=b: rotated_roundtrip(x, k, b, dr)
+        for tile in tiles:
+            b = rotated.Budget(d, m, bits, tile)
+            codecs[f"rotated m={m} {bits}-bit{f' tile {tile}' if tile else ''} ({b.bytes_per_token} B)"] = \
+                lambda x, k, dr, b=b: rotated_roundtrip(x, k, b, dr)
     nmse = lambda xh, x: float(((xh - x) ** 2).sum() / (x ** 2).sum())
     print(f"N = {next(iter(cuts.values()))[0].shape[0]} real tokens per cut, d = {d}; NMSE fwd / bwd per cut "
           f"(layers {list(cuts)})\n")

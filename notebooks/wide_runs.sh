@@ -8,7 +8,10 @@
 # The codec runs use the saving the embedded default showed harmless, β = 0 with zero-advantage groups
 # left out of the update (no reference pass at all); shared prompts stay off (they cost the rotated
 # codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
-# = 240 of 384. A finished run (its eval.jsonl has step 100) is not run again.
+# = 240 of 384. rot2g_q4 / rot4_q4: the width's levers (2-bit Gaussian levels with a scale per 64
+# coordinates, or 4-bit uniform, forward; the rank-4 code of each micro-batch's gradient backward),
+# the reference off the wire (β = 0) and no other saving. A finished run (its eval.jsonl has step
+# 100) is not run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
@@ -22,6 +25,8 @@ declare -A RUNS=(
   [rot2]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.bwd_coords=240 $S"
   [prf95]="ds_configs/prf95.json $W $S"
   [prf95_cm8]="ds_configs/prf95.json $W anchor.replay_fraction=0.125 $S"
+  [rot2g_q4]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.fwd_tile=64 codec.fwd_levels=gauss codec.bwd_rank=4 grpo.kl_coef=0"
+  [rot4_q4]="ds_configs/rotated.json $W codec.bwd_rank=4 grpo.kl_coef=0"
 )
 for k in "${!RUNS[@]}"; do RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; done
 names=("$@")

@@ -3,7 +3,8 @@
 One train_batch of two micro-batches through a codec on every cut, with a fixed linear loss on the
 logits; each stage writes the gradients its optimizer receives, under HF names, to
 OUT/k{spec}/grads_stage{s}.safetensors (several codecs in one launch). A spec is k of the PRF codec
-("3"), or "r{m}x{b}/{m}x{b}": the rotated codec's forward and backward budgets. `reference_grads` computes the same in one process with plain
+("3"), or "r{m}x{b}[t{tile}]/{m}x{b}[t{tile}]": the rotated codec's forward and backward budgets
+("/q{r}": the backward's rank-r code; a trailing "g": Gaussian levels). `reference_grads` computes the same in one process with plain
 autograd through the same layer modules and the same codec state.
 """
 import json
@@ -25,8 +26,12 @@ STEP = 3   # the masks' key step, in both the pipeline and the reference
 def make_codec(d: int, spec: str, split: list[int]) -> Codec:
     if not spec.startswith("r"):
         return Codec(name="prf", d=d, k=int(spec), seed=5, cuts=cut_layers(split))
-    (fm, fb), (bm, bb) = [map(int, part.split("x")) for part in spec[1:].split("/")]
-    return Codec(name="rotated", d=d, seed=5, cuts=cut_layers(split), fwd=Budget(d, fm, fb), bwd=Budget(d, bm, bb))
+    fwd, bwd = spec[1:].split("/")
+    rank = int(bwd[1:]) if bwd.startswith("q") else 0
+    budget = lambda part: Budget(d, *map(int, part.rstrip("g").replace("t", "x").split("x")),
+                                 levels="gauss" if part.endswith("g") else "uniform")
+    return Codec(name="rotated", d=d, seed=5, cuts=cut_layers(split), fwd=budget(fwd),
+                 bwd=budget("20x2" if rank else bwd), bwd_rank=rank)
 
 
 def micro_batches(vocab: int):
@@ -95,7 +100,8 @@ def main(model_dir, split_json, ks, out_dir):
     for k in ks:
         c = make_codec(config.hidden_size, k, split)
         # every layer holds this one codec object: change it in place
-        pipe.codec.name, pipe.codec.k, pipe.codec.fwd, pipe.codec.bwd = c.name, c.k, c.fwd, c.bwd
+        pipe.codec.name, pipe.codec.k, pipe.codec.fwd, pipe.codec.bwd, pipe.codec.bwd_rank = \
+            c.name, c.k, c.fwd, c.bwd, c.bwd_rank
         engine.reset_activation_shape()    # the payload's width changes with the codec
         with pipe.codec.keyed(STEP):
             engine.train_batch(iter(micro_batches(config.vocab_size)))

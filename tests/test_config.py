@@ -43,6 +43,10 @@ def write(tmp_path, mutate):
     (lambda c: None, ["grpo.skip_zero_advantage=true"], "grpo.skip_zero_advantage=true needs grpo.kl_coef=0"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=8", "codec.bwd_coords=16"], "codec.bwd_coords"),
     (lambda c: None, ["codec.name=rotated", "codec.fwd_coords=64"], "codec.fwd_coords"),
+    (lambda c: None, ["codec.name=rotated", "codec.bwd_coords=16", "codec.bwd_tile=17"], "codec.bwd_tile"),
+    (lambda c: None, ["codec.name=rotated", "codec.fwd_levels=gauss"], "codec.fwd_levels='gauss'"),
+    (lambda c: None, ["codec.name=rotated", "codec.bwd_rank=4", "codec.bwd_bits=3"], "codec.bwd_bits is set but nothing reads it"),
+    (lambda c: None, ["codec.name=rotated", "codec.bwd_rank=4", "grpo.share_prompts=true"], "codec.bwd_rank=4"),
     (lambda c: None, ["codec.name=rotated", "codec.bwd_bits=0"], "codec.bwd_bits"),
     (lambda c: None, ["model.embedded=huge"], "model.embedded='huge'"),
     (lambda c: None, ["model.embedded=wide"], "sums to 8 but the model has 28"),     # the wide model's depth

@@ -9,7 +9,9 @@ scatter is a gather, so the gradient sent back is (B, T, k) too).
     lowrank:  y_BTk = x_BTD Q_Dk,  x̂ = y Qᵀ   (Q orthonormal, one per cut, the same at both ends)
     rotated:  the rotated, dithered low-bit code of rotated.py, with its own budget per direction:
               (carrier fp16 (B, T, G/2), payload uint8 (B, T, F − G)) cross the cut, F forward
-              bytes per token; the carrier's gradient is the G-byte backward code (wire_format)
+              bytes per token; the carrier's gradient is the G-byte backward code (wire_format):
+              the rotated code of each token's gradient, or with `bwd_rank` = r the micro-batch's
+              rank-r code (rank_code.py)
     dense:    x itself (the byte-matched control).
 
 What crosses a cut is `wire_out(x)`: a tuple of tensors, floats first (DeepSpeed sends a gradient
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import prf, rotated
+from . import prf, rank_code, rotated
 from .geometry import compressed_cuts, keep_count
 from .lowrank import checked_basis
 
@@ -50,9 +52,10 @@ class PayloadCount:
 class Codec:
     def __init__(self, name: str = "dense", d: int = 0, k: int = 0, seed: int = 0, cuts=frozenset(),
                  payload_dtype: torch.dtype = torch.float32, fwd: rotated.Budget | None = None,
-                 bwd: rotated.Budget | None = None):
+                 bwd: rotated.Budget | None = None, bwd_rank: int = 0):
         self.name, self.d, self.k, self.seed = name, d, k, seed
         self.fwd, self.bwd = fwd, bwd            # rotated: the budget of each direction
+        self.bwd_rank = bwd_rank                 # rotated: > 0 codes the backward at this rank instead
         self.cuts = frozenset(cuts)          # decoder layer indices after which a compressed cut sits
         self.payload_dtype = payload_dtype
         self.bases: dict[int, torch.Tensor] = {}   # cut layer → Q_Dk (lowrank)
@@ -139,7 +142,7 @@ class Codec:
         if self.name != "rotated" or not self.active(layer):
             return (self.encode(x_BTD, pos_BT, sid_B, layer),)
         keys = self._keys(pos_BT, sid_B, layer)
-        carrier, payload = _RotatedSend.apply(x_BTD, keys, self.fwd, self.bwd)
+        carrier, payload = _RotatedSend.apply(x_BTD, keys, self.fwd, self.back())
         if (n := self._counted()) is not None:
             n.payload += carrier.numel() * 2 + payload.numel()
             n.grad += carrier.numel() * 2
@@ -152,7 +155,11 @@ class Codec:
             return self.decode(wire[0], pos_BT, sid_B, layer, dtype)
         keys = self._keys(pos_BT, sid_B, layer)
         payload = wire[1] if len(wire) > 1 else wire[0].new_empty(*wire[0].shape[:-1], 0, dtype=torch.uint8)
-        return _RotatedReceive.apply(wire[0], payload, keys, self.fwd, self.bwd, dtype)
+        return _RotatedReceive.apply(wire[0], payload, keys, self.fwd, self.back(), dtype)
+
+    def back(self) -> "rotated.Budget | Rank":
+        """The backward's code: the rotated budget, or the rank of the micro-batch's code."""
+        return Rank(self.d, self.bwd_rank) if self.bwd_rank else self.bwd
 
     def set_bases(self, bases: dict[int, torch.Tensor]) -> None:
         """Replace lowrank cuts' bases (cut layer → Q); both ends of a cut must set the same Q."""
@@ -160,12 +167,35 @@ class Codec:
             self.bases[layer] = checked_basis(q, self.d, self.k, layer)
 
 
-def wire_format(fwd: rotated.Budget, bwd: rotated.Budget) -> tuple[int, int]:
-    """(F, G): bytes per token forward (all tensors of the cut) and backward (the carrier). G is the
+@dataclass(frozen=True)
+class Rank:
+    """The backward's rank-r code of a micro-batch (rank_code.py) at width d."""
+    d: int
+    r: int
+
+
+def wire_format(fwd: rotated.Budget, bwd: "rotated.Budget | Rank", tokens: int = 1) -> tuple[int, int]:
+    """(F, G): bytes per token slot forward (all tensors of the cut) and backward (the carrier), for a
+    micro-batch of `tokens` slots (the rank code's share of its Q factor depends on it). G is the
     backward code rounded up to whole fp16 values; the forward carries at least G bytes, since the
     carrier crosses in both directions."""
-    g = 2 * math.ceil(bwd.bytes_per_token / 2)
+    if isinstance(bwd, Rank):
+        g = 2 * rank_code.slots(tokens, bwd.d, bwd.r)
+    else:
+        g = 2 * math.ceil(bwd.bytes_per_token / 2)
     return max(fwd.bytes_per_token, g), g
+
+
+def _encode_back(g_ND: torch.Tensor, keys_N: torch.Tensor, bwd) -> torch.Tensor:
+    if isinstance(bwd, Rank):
+        return rank_code.encode(g_ND, bwd.r, int(keys_N[0]))
+    return rotated.encode(g_ND, keys_N, bwd, "bwd")
+
+
+def _decode_back(code_NB: torch.Tensor, keys_N: torch.Tensor, bwd) -> torch.Tensor:
+    if isinstance(bwd, Rank):
+        return rank_code.decode(code_NB, bwd.d, bwd.r)
+    return rotated.decode(code_NB[:, :bwd.bytes_per_token], keys_N, bwd, "bwd")
 
 
 class _RotatedSend(torch.autograd.Function):
@@ -175,7 +205,7 @@ class _RotatedSend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keys_BT, fwd, bwd):
         B, T, d = x.shape
-        F, G = wire_format(fwd, bwd)
+        F, G = wire_format(fwd, bwd, B * T)
         code = torch.zeros(B * T, F, dtype=torch.uint8)
         code[:, :fwd.bytes_per_token] = rotated.encode(x.detach().reshape(-1, d), keys_BT.reshape(-1), fwd, "fwd")
         code = code.view(B, T, F)
@@ -189,8 +219,8 @@ class _RotatedSend(torch.autograd.Function):
     def backward(ctx, g_carrier, _):
         keys_BT, = ctx.saved_tensors
         B, T = keys_BT.shape
-        code = g_carrier.contiguous().view(torch.uint8).reshape(B * T, -1)[:, :ctx.bwd.bytes_per_token]
-        gx = rotated.decode(code, keys_BT.reshape(-1), ctx.bwd, "bwd").view(B, T, -1).to(ctx.x_dtype)
+        code = g_carrier.contiguous().view(torch.uint8).reshape(B * T, -1)
+        gx = _decode_back(code, keys_BT.reshape(-1), ctx.bwd).view(B, T, -1).to(ctx.x_dtype)
         return gx, None, None, None
 
 
@@ -211,7 +241,8 @@ class _RotatedReceive(torch.autograd.Function):
         keys_BT, = ctx.saved_tensors
         B, T = keys_BT.shape
         code = torch.zeros(B * T, 2 * ctx.carrier_shape[-1], dtype=torch.uint8)
-        code[:, :ctx.bwd.bytes_per_token] = rotated.encode(g.reshape(B * T, -1).float(), keys_BT.reshape(-1), ctx.bwd, "bwd")
+        back = _encode_back(g.reshape(B * T, -1).float(), keys_BT.reshape(-1), ctx.bwd)
+        code[:, :back.shape[1]] = back
         return code.view(torch.half).view(ctx.carrier_shape), None, None, None, None, None
 
 
@@ -219,8 +250,8 @@ def build_codec(c, d: int, layers_per_stage: list[int]) -> Codec:
     """The run's codec from its `codec.*` config block, for a model of hidden size d."""
     budgets = {}
     if c.name == "rotated":
-        budgets = {"fwd": rotated.Budget(d, c.fwd_coords or d, c.fwd_bits),
-                   "bwd": rotated.Budget(d, c.bwd_coords or d, c.bwd_bits)}
+        budgets = {"fwd": rotated.Budget(d, c.fwd_coords or d, c.fwd_bits, c.fwd_tile, c.fwd_levels),
+                   "bwd": rotated.Budget(d, c.bwd_coords or d, c.bwd_bits, c.bwd_tile)}
     return Codec(name=c.name, d=d, k=keep_count(c.keep, c.keep_ratio, d), seed=c.seed,
                  cuts=compressed_cuts(c.boundaries, layers_per_stage), payload_dtype=DTYPES[c.payload_dtype],
-                 **budgets)
+                 bwd_rank=c.bwd_rank if c.name == "rotated" else 0, **budgets)

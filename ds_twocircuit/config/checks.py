@@ -40,6 +40,9 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"grpo.share_prompts=true needs train_micro_batch_size_per_gpu="
                           f"{ds['train_micro_batch_size_per_gpu']} to be a multiple of grpo.group_size={g.group_size} "
                           "(a group's samples must be in one micro-batch)")
+    if g.share_prompts and tc.codec.name == "rotated" and tc.codec.bwd_rank:
+        raise ConfigError(f"grpo.share_prompts=true with codec.bwd_rank={tc.codec.bwd_rank}: a shared prompt's "
+                          "rank code would span the prompt rows alone; use one or the other")
     if g.skip_zero_advantage and (g.kl_coef > 0 or tc.control.enabled):
         raise ConfigError(f"grpo.skip_zero_advantage=true needs grpo.kl_coef=0 (it is {g.kl_coef}"
                           f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "
@@ -114,6 +117,15 @@ def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
         for key in ("fwd_bits", "bwd_bits"):
             if not 1 <= getattr(c, key) <= 24:
                 raise ConfigError(f"codec.{key}={getattr(c, key)}: expected 1 to 24 bits")
+        if c.fwd_levels not in ("uniform", "gauss") or (c.fwd_levels == "gauss" and (not c.fwd_tile or c.fwd_bits > 4)):
+            raise ConfigError(f"codec.fwd_levels='{c.fwd_levels}': expected 'uniform', or 'gauss' with codec.fwd_tile > 0 "
+                              f"(it is {c.fwd_tile}) and codec.fwd_bits <= 4 (it is {c.fwd_bits})")
+        if not 0 <= c.bwd_rank <= d:
+            raise ConfigError(f"codec.bwd_rank={c.bwd_rank}: expected 0 (the rotated backward) to d={d}")
+        for key, m in (("fwd_tile", fwd), ("bwd_tile", bwd)):
+            if not 0 <= getattr(c, key) <= m:
+                raise ConfigError(f"codec.{key}={getattr(c, key)}: expected 0 (one scale per token) to "
+                                  f"the direction's {m} coordinates")
     cuts = cut_layers(split)
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
@@ -236,7 +248,10 @@ def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
                     for k in ("keep_ratio", "keep", "payload_dtype")})
     if c.name != "rotated":
         out.update({f"codec.{k}": f"only the rotated codec reads it (codec.name='{c.name}')"
-                    for k in ("fwd_coords", "fwd_bits", "bwd_coords", "bwd_bits")})
+                    for k in ("fwd_coords", "fwd_bits", "bwd_coords", "bwd_bits", "fwd_tile", "bwd_tile", "bwd_rank", "fwd_levels")})
+    elif c.bwd_rank:
+        out.update({f"codec.{k}": f"the backward is the rank-{c.bwd_rank} code (codec.bwd_rank)"
+                    for k in ("bwd_coords", "bwd_bits", "bwd_tile")})
     if c.name == "dense":
         out.update({f"codec.{k}": "the dense codec has no cuts to configure" for k in ("boundaries", "seed")})
     if not tc.anchor.enabled:

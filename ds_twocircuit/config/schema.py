@@ -136,6 +136,10 @@ class CodecConfig:
     fwd_bits: int = opt(4, "rotated: bits per forward coordinate", lo=1)
     bwd_coords: int = opt(0, "rotated: coordinates of the gradient sent back, within the forward's (0: all d)", lo=0)
     bwd_bits: int = opt(2, "rotated: bits per backward coordinate", lo=1)
+    fwd_levels: str = opt("uniform", "rotated: uniform (dithered, unbiased) | gauss (Lloyd-Max levels per tile RMS, needs fwd_tile > 0, <= 4 bits)")
+    fwd_tile: int = opt(0, "rotated: forward coordinates per 8-bit scale (0: one fp16 scale per token)", lo=0)
+    bwd_tile: int = opt(0, "rotated: backward coordinates per 8-bit scale (0: one fp16 scale per token)", lo=0)
+    bwd_rank: int = opt(0, "rotated: > 0 sends each micro-batch's gradient as its rank-r code instead of bwd_coords x bwd_bits", lo=0)
     seed: int = opt(0, "the PRF key's seed")
 
 
