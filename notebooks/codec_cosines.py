@@ -75,11 +75,6 @@ def make_codec(name: str, d: int, cuts: list[int], seed: int, micro: int = 32) -
                  bwd=Budget(d, v.get("bm", d), v.get("bb", 2), v.get("bt", 0)), bwd_rank=v.get("q", 0))
 
 
-# Lloyd-Max reconstruction levels of N(0, 1), the positive half (Max 1960)
-LLOYD_MAX = {1: [0.7979], 2: [0.4528, 1.5104], 3: [0.2451, 0.7560, 1.3440, 2.1520],
-             4: [0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326]}
-
-
 def lloyd_max_roundtrip(x_ND, keys_N, bits: int, tile: int):
     """Rotate, code each coordinate by the nearest Lloyd-Max level times its tile's RMS, unrotate."""
     from ds_twocircuit.codec import rotated
@@ -87,8 +82,7 @@ def lloyd_max_roundtrip(x_ND, keys_N, bits: int, tile: int):
     s = rotated.signs(keys_N, d)
     z = rotated.rotate(x_ND.float(), s).view(N, d // tile, tile)
     rms = z.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30)
-    half = torch.tensor(LLOYD_MAX[bits])
-    levels = torch.cat([-half.flip(0), half])
+    levels = rotated.gauss_levels(bits)
     zq = levels[((z / rms)[..., None] - levels).abs().argmin(-1)] * rms
     return rotated.unrotate(zq.view(N, d), s)
 

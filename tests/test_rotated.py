@@ -249,6 +249,8 @@ def test_rank_code_is_exact_when_the_gradient_has_that_rank():
     assert code.dtype == torch.uint8 and code.shape == (40, 2 * rank_code.slots(40, 32, 4)) == (40, 2 * (4 + 4))
     torch.testing.assert_close(rank_code.decode(code, 32, 4), m, rtol=0, atol=2e-2 * float(m.abs().max()))
     assert torch.equal(rank_code.decode(rank_code.encode(torch.zeros(40, 32), 4, seed=9), 32, 4), torch.zeros(40, 32))
+    m[3, 4] = float("inf")          # a non-finite gradient crosses as non-finite: the step guard must see it
+    assert rank_code.decode(rank_code.encode(m, 4, seed=9), 32, 4).isnan().all()
 
 
 def test_rank_code_keeps_what_the_truncated_svd_keeps():

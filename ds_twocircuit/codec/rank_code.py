@@ -16,6 +16,9 @@ subspace of its columns, found by a randomized range finder:
              d·r values of Q (row-major) continue across the slots, ⌈d·r/n⌉ per slot, zero-padded
     decode   M̂ = P Qᵀ = P Pᵀ M, the projection of M on span(P)
 
+A non-finite M decodes to NaNs (the factors of a NaN matrix do not exist), so the step guard sees it
+on the sending stage and skips the step, as it would without the codec.
+
 Biased: M̂ drops M's other directions (‖M − M̂‖ is the energy outside the top-r subspace, up to the
 range finder's error), and exact to bf16 rounding when rank M ≤ r. It is a code of the micro-batch,
 not of each token, so it depends on which tokens share the micro-batch: the gradient (not the loss)
@@ -44,6 +47,8 @@ def factors(m_ND: torch.Tensor, r: int, seed: int, iters: int = ITERS) -> tuple[
     n, d = m_ND.shape
     k, wide = min(r, n, d), min(r + OVERSAMPLE, n, d)
     m = m_ND.float()
+    if not torch.isfinite(m).all():     # stays non-finite across the cut, so the guard skips the step
+        return torch.full((n, r), float("nan")), torch.full((d, r), float("nan"))
     omega = torch.randn(d, wide, generator=torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))
     y = m @ omega
     for _ in range(iters):
