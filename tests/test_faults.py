@@ -101,8 +101,10 @@ def _trainer_procs(launcher: psutil.Process) -> dict[int, psutil.Process]:
 
 
 def _run_until_killed(tmp_path, after_rows: int, kill, env=None) -> float:
-    """A resumed launch; once `after_rows` rows are logged, wait a random part of a step, then
-    kill(launcher); the launch must end by itself. → the delay used (for the failure message)."""
+    """A resumed launch; once `after_rows` rows are logged, wait a random part of the first half of
+    a step, then kill(launcher); the launch must end by itself. → the delay used (for the failure
+    message). Half: on a busy machine step times vary, and a whole step's wait outlasted the last two
+    steps of a run once (the launch had ended before the kill)."""
     cmd, env = launch_cmd(8, tmp_path, *ANCHORED, resume=True, env=env)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     delay = -1.0
@@ -112,8 +114,10 @@ def _run_until_killed(tmp_path, after_rows: int, kill, env=None) -> float:
             assert time.time() < deadline, "the launch stopped stepping"
             time.sleep(0.05)
         if proc.poll() is None:
-            delay = random.uniform(0, _rows_now(tmp_path)[-1]["timing/step"])
+            delay = random.uniform(0, 0.5 * _rows_now(tmp_path)[-1]["timing/step"])
             time.sleep(delay)
+            assert proc.poll() is None, (f"the launch ended before the kill, {delay:.2f} s after row {after_rows} "
+                                         f"(rc {proc.returncode}): " + proc.communicate()[0][-3000:])
             kill(psutil.Process(proc.pid))
         proc.communicate(timeout=120)
     finally:
