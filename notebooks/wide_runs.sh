@@ -10,7 +10,9 @@
 # codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
 # = 240 of 384. rot2g_q4 / rot4_q4: the width's levers (2-bit Gaussian levels with a scale per 64
 # coordinates, or 4-bit uniform, forward; the rank-4 code of each micro-batch's gradient backward),
-# the reference off the wire (β = 0) and no other saving. A finished run (its eval.jsonl has step
+# the reference off the wire (β = 0) and no other saving. frontier: ds_configs/frontier_wide.json as
+# shipped (2-bit Gaussian levels per 64-coordinate tile forward, rank 2 backward, β = 0; its own model
+# block: the wide model's step-200 warm start). A finished run (its eval.jsonl has step
 # 100) is not run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +29,7 @@ declare -A RUNS=(
   [prf95_cm8]="ds_configs/prf95.json $W anchor.replay_fraction=0.125 $S"
   [rot2g_q4]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.fwd_tile=64 codec.fwd_levels=gauss codec.bwd_rank=4 grpo.kl_coef=0"
   [rot4_q4]="ds_configs/rotated.json $W codec.bwd_rank=4 grpo.kl_coef=0"
+  [frontier]="ds_configs/frontier_wide.json"
 )
 for k in "${!RUNS[@]}"; do RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; done
 names=("$@")

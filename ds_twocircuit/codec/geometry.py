@@ -5,6 +5,7 @@ Pure Python (no torch), so the config checks use the same formulas as the code t
     k     = keep                      when keep > 0
           = round(keep_ratio · d)     otherwise (77 of 1536 at the default 0.05)
     cut b sits after decoder layer  Σ_{s ≤ b} layers_per_stage[s] − 1   (between stage b and b+1)
+    rotated levels: "uniform", or "gauss" (scaled by each tile's RMS: needs tiles, ≤ 4 bits)
 """
 
 
@@ -25,3 +26,11 @@ def cut_layers(layers_per_stage: list[int]) -> list[int]:
 def compressed_cuts(boundaries, layers_per_stage: list[int]) -> list[int]:
     """The cuts a codec compresses: `boundaries` is "all" or a list of cut layers."""
     return cut_layers(layers_per_stage) if boundaries == "all" else list(boundaries)
+
+
+def levels_problem(levels: str, tile: int, bits: int) -> str | None:
+    """Why a rotated code's levels do not fit its tile and bits, or None (the Lloyd–Max table stops at
+    4 bits, and Gaussian levels are scaled by a tile's RMS, so they need tiles)."""
+    if levels == "uniform" or (levels == "gauss" and tile > 0 and bits <= 4):
+        return None
+    return "expected 'uniform', or 'gauss' with a tile > 0 and at most 4 bits"

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .geometry import levels_problem
 from .prf import kept_channels, mix32
 
 SIGNS, SUBSET = 0x5157A001, 0x5157A002
@@ -79,9 +80,8 @@ class Budget:
                              "need 1 <= m <= d and 1 <= bits <= 24 (24: lossless to fp32 rounding)")
         if not 0 <= self.tile <= self.m:
             raise ValueError(f"rotated codec tile={self.tile}: need 0 (one scale per token) to m={self.m}")
-        if self.levels not in ("uniform", "gauss") or (self.levels == "gauss" and (not self.tile or self.bits > 4)):
-            raise ValueError(f"rotated codec levels={self.levels!r} at tile={self.tile}, {self.bits} bits: "
-                             "expected 'uniform', or 'gauss' with a tile > 0 and at most 4 bits")
+        if problem := levels_problem(self.levels, self.tile, self.bits):
+            raise ValueError(f"rotated codec levels={self.levels!r} at tile={self.tile}, {self.bits} bits: {problem}")
 
     @property
     def tiles(self) -> int:
@@ -172,10 +172,16 @@ def tile_scale(a_N1: torch.Tensor, r_NT: torch.Tensor, m: int, tile: int) -> tor
     return (a_N1 * r_NT.float() / 255).repeat_interleave(tile, -1)[:, :m]
 
 
+def _tiles(zs_NM: torch.Tensor, tile: int) -> torch.Tensor:
+    """(N, m) → (N, ⌈m/t⌉, t), the last tile padded with zeros (which change neither its max nor its
+    sum of squares; the RMS divides by t, so a short last tile reads a little small)."""
+    N, m = zs_NM.shape
+    return torch.nn.functional.pad(zs_NM, (0, (-m) % tile)).view(N, -1, tile)
+
+
 def tile_ratios(zs_NM: torch.Tensor, a_N1: torch.Tensor, tile: int) -> torch.Tensor:
     """r (N, ⌈m/t⌉) int64: per tile the smallest r in [0, 255] whose scale covers the tile's max."""
-    N, m = zs_NM.shape
-    peak = torch.nn.functional.pad(zs_NM.abs(), (0, (-m) % tile)).view(N, -1, tile).amax(-1)
+    peak = _tiles(zs_NM.abs(), tile).amax(-1)
     safe_a = torch.where(a_N1 > 0, a_N1, torch.ones_like(a_N1))
     r = torch.ceil(peak * 255 / safe_a).clamp_(0, 255)
     r = torch.where(a_N1 * r / 255 < peak, r + 1, r).clamp_(0, 255)   # fp32 rounding of a·r/255
@@ -189,8 +195,8 @@ def gauss_levels(bits: int) -> torch.Tensor:
 
 def gauss_encode(zs_NM: torch.Tensor, budget: Budget) -> torch.Tensor:
     """The Gaussian-levels code of the kept coordinates (N, m) → (N, bytes) uint8."""
-    N, m = zs_NM.shape
-    rms = torch.nn.functional.pad(zs_NM, (0, (-m) % budget.tile)).view(N, -1, budget.tile).pow(2).mean(-1).sqrt()
+    m = zs_NM.shape[1]
+    rms = _tiles(zs_NM, budget.tile).pow(2).mean(-1).sqrt()
     a = fp16_ceil(rms.amax(-1))                                                  # (N,) fp16
     af = a.float()[:, None]
     r = torch.round(rms * 255 / torch.where(af > 0, af, torch.ones_like(af))).clamp_(0, 255).long()

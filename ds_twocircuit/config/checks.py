@@ -11,7 +11,7 @@ import json
 import math
 import pathlib
 
-from ..codec.geometry import cut_layers, keep_count
+from ..codec.geometry import cut_layers, keep_count, levels_problem
 from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig, TwoCircuitConfig
 
 
@@ -41,8 +41,9 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
                           f"{ds['train_micro_batch_size_per_gpu']} to be a multiple of grpo.group_size={g.group_size} "
                           "(a group's samples must be in one micro-batch)")
     if g.share_prompts and tc.codec.name == "rotated" and tc.codec.bwd_rank:
-        raise ConfigError(f"grpo.share_prompts=true with codec.bwd_rank={tc.codec.bwd_rank}: a shared prompt's "
-                          "rank code would span the prompt rows alone; use one or the other")
+        raise ConfigError(f"grpo.share_prompts=true with codec.bwd_rank={tc.codec.bwd_rank}: shared prompts code "
+                          "each cut as two parts (the groups' prompts, every sample's response), each of which "
+                          "would carry its own rank code; that combination is not tested, so use one or the other")
     if g.skip_zero_advantage and (g.kl_coef > 0 or tc.control.enabled):
         raise ConfigError(f"grpo.skip_zero_advantage=true needs grpo.kl_coef=0 (it is {g.kl_coef}"
                           f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "
@@ -117,15 +118,15 @@ def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
         for key in ("fwd_bits", "bwd_bits"):
             if not 1 <= getattr(c, key) <= 24:
                 raise ConfigError(f"codec.{key}={getattr(c, key)}: expected 1 to 24 bits")
-        if c.fwd_levels not in ("uniform", "gauss") or (c.fwd_levels == "gauss" and (not c.fwd_tile or c.fwd_bits > 4)):
-            raise ConfigError(f"codec.fwd_levels='{c.fwd_levels}': expected 'uniform', or 'gauss' with codec.fwd_tile > 0 "
-                              f"(it is {c.fwd_tile}) and codec.fwd_bits <= 4 (it is {c.fwd_bits})")
         if not 0 <= c.bwd_rank <= d:
             raise ConfigError(f"codec.bwd_rank={c.bwd_rank}: expected 0 (the rotated backward) to d={d}")
         for key, m in (("fwd_tile", fwd), ("bwd_tile", bwd)):
             if not 0 <= getattr(c, key) <= m:
                 raise ConfigError(f"codec.{key}={getattr(c, key)}: expected 0 (one scale per token) to "
                                   f"the direction's {m} coordinates")
+        if problem := levels_problem(c.fwd_levels, c.fwd_tile, c.fwd_bits):
+            raise ConfigError(f"codec.fwd_levels='{c.fwd_levels}' (codec.fwd_tile={c.fwd_tile}, "
+                              f"codec.fwd_bits={c.fwd_bits}): {problem}")
     cuts = cut_layers(split)
     chosen = cuts if c.boundaries == "all" else c.boundaries
     if not isinstance(chosen, (list, tuple)) or any(b not in cuts for b in chosen):
