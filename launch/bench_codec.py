@@ -11,7 +11,10 @@ wire):
 - the rotated codec at the frontier's budgets (forward all d coordinates at 4 bits, backward 5/8 of
   them at 2 bits, as `codec.fwd_bits=4 codec.bwd_coords=… codec.bwd_bits=2`): key generation (the
   per-token keys every other step derives from), forward encode and decode, backward encode and
-  decode (of a gradient of the same shape).
+  decode (of a gradient of the same shape);
+- the frontier recipe's (`frontier_wide.json`): forward 2-bit Gaussian levels on all d coordinates
+  with an 8-bit scale per 64, backward the rank-2 code of the whole (tokens, d) gradient as one
+  micro-batch (a randomized SVD: ITERS power iterations, then an SVD of the small projection).
 One thread by default, as each pipeline rank runs on CPU here.
 """
 import argparse
@@ -19,7 +22,7 @@ import argparse
 import torch
 from torch.utils.benchmark import Timer
 
-from ds_twocircuit.codec import prf, rotated
+from ds_twocircuit.codec import prf, rank_code, rotated
 from ds_twocircuit.codec.boundary import Codec
 from ds_twocircuit.codec.geometry import keep_count
 
@@ -66,6 +69,24 @@ def run_rotated(d: int, tokens: int) -> dict:
     return {"codec": name, "d": d, "tokens": xs.shape[0], "times": t}
 
 
+def run_frontier(d: int, tokens: int, rank: int = 2) -> dict:
+    fwd = rotated.Budget(d, d, 2, 64, "gauss")
+    x, pos, sid = activation(d, tokens)
+    xs, g = x.reshape(-1, d), torch.randn(x.numel() // d, d)
+    keys = prf.token_keys(0, 0, 1, sid[:, None], pos).reshape(-1)
+    yf, yb = rotated.encode(xs, keys, fwd, "fwd"), rank_code.encode(g, rank, 0)
+    env = dict(x=x, xs=xs, g=g, keys=keys, yf=yf, yb=yb, fwd=fwd, d=d, rank=rank, pos=pos, sid=sid, prf=prf,
+               rotated=rotated, rank_code=rank_code)
+    t = {"dense copy": bench("x.clone()", env),
+         "keys": bench("prf.token_keys(0, 0, 1, sid[:, None], pos)", env),
+         "encode": bench("rotated.encode(xs, keys, fwd, 'fwd')", env),
+         "decode": bench("rotated.decode(yf, keys, fwd, 'fwd')", env),
+         "encode bwd": bench("rank_code.encode(g, rank, 0)", env),
+         "decode bwd": bench("rank_code.decode(yb, d, rank)", env)}
+    name = f"frontier {d}x2 gauss t64/rank {rank} ({fwd.bytes_per_token}/{yb.shape[1]} B)"
+    return {"codec": name, "d": d, "tokens": xs.shape[0], "times": t}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -78,7 +99,7 @@ def main():
     print("| d | codec | dense copy ms | keys | encode | decode | enc+dec | bwd enc+dec | M tokens/s enc+dec |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d in a.widths:
-        for r in (run_prf(d, a.tokens), run_rotated(d, a.tokens)):
+        for r in (run_prf(d, a.tokens), run_rotated(d, a.tokens), run_frontier(d, a.tokens)):
             t = r["times"]
             base, both = t["dense copy"], t["encode"] + t["decode"]
             bwd = f"{(t['encode bwd'] + t['decode bwd']) / base:.1f}x" if "encode bwd" in t else "–"

@@ -14,7 +14,7 @@ ratio to its own unshaped time. `--scaling` sweeps tokens per step at one rate i
 `--p2p isend` beside DeepSpeed's blocking sends) and prints, per codec and micro-batch count, the
 fitted transfers on the critical path β against a flow shop's (M + S − 2)/M.
 Each compressed codec (`--codecs`: prf, the 5 % PRF of prf95.json; rotated, the rotated low-bit code
-at `--fwd-bits/--bwd-coords/--bwd-bits`) gets its own launch with its own dense phases beside it, so
+at `--fwd-bits/--bwd-coords/--bwd-bits`, and the width's levers `--fwd-tile/--fwd-levels/--bwd-rank`) gets its own launch with its own dense phases beside it, so
 every ratio compares two phases of one launch on the same links.
 
 Needs root and iproute2. It uses addresses only on the namespaces it creates (10.231.137.0/24),
@@ -61,6 +61,7 @@ def worker(a) -> None:
     tc.codec.name, tc.codec.keep_ratio = a.codecs[0], a.keep_ratio      # the dense phases run it with the codec off
     tc.codec.fwd_coords, tc.codec.fwd_bits, tc.codec.bwd_coords, tc.codec.bwd_bits = \
         a.fwd_coords, a.fwd_bits, a.bwd_coords, a.bwd_bits
+    tc.codec.fwd_tile, tc.codec.fwd_levels, tc.codec.bwd_rank = a.fwd_tile, a.fwd_levels, a.bwd_rank
     p = build_pipeline(a.model_dir, tc, {
         "train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": a.gas, "gradient_clipping": 0.0,
         "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}}})
@@ -223,7 +224,8 @@ def worker_args(a) -> list[str]:
     return ["--stages", str(a.stages), "--layers-per-stage", str(a.layers_per_stage), "--micro", str(a.micro),
             "--gas", str(a.gas), "--keep-ratio", str(a.keep_ratio), "--steps", str(a.steps), "--warmup",
             str(a.warmup), "--phase-timeout", str(a.phase_timeout), "--fwd-coords", str(a.fwd_coords), "--fwd-bits",
-            str(a.fwd_bits), "--bwd-coords", str(a.bwd_coords), "--bwd-bits", str(a.bwd_bits), "--p2p", a.p2p]
+            str(a.fwd_bits), "--bwd-coords", str(a.bwd_coords), "--bwd-bits", str(a.bwd_bits), "--fwd-tile",
+            str(a.fwd_tile), "--fwd-levels", a.fwd_levels, "--bwd-rank", str(a.bwd_rank), "--p2p", a.p2p]
 
 
 def median(xs: list[float]) -> float:
@@ -340,6 +342,10 @@ def parse(argv=None):
     ap.add_argument("--fwd-bits", type=int, default=4, help="rotated: bits per coordinate forward")
     ap.add_argument("--bwd-coords", type=int, default=None, help="rotated: coordinates back (default 5/8 of d)")
     ap.add_argument("--bwd-bits", type=int, default=2, help="rotated: bits per coordinate back")
+    ap.add_argument("--fwd-tile", type=int, default=0, help="rotated: coordinates per 8-bit scale forward (0: per token)")
+    ap.add_argument("--fwd-levels", default="uniform", choices=["uniform", "gauss"], help="rotated: forward levels")
+    ap.add_argument("--bwd-rank", type=int, default=0, help="rotated: > 0 codes the backward at this rank "
+                    "(frontier_wide.json: --fwd-bits 2 --fwd-tile 64 --fwd-levels gauss --bwd-rank 2)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--phase-timeout", type=float, default=300)

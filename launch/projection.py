@@ -32,7 +32,12 @@ rewards, left out of the update (β = 0 only: then there is no reference pass ei
 Bytes per token and cut, per pass (checked against bench_links.py's p2p counts at d = 1536: dense
 18 432, prf 924, rotated 1 782 bytes per token over the three passes in fp32): dense d·2; prf95
 77·2 (bf16 payload); rotated 770 forward (4 bits on all 1536 rotated coordinates + a 2-byte
-scale), 242 back (2 bits on 960).
+scale), 242 back (2 bits on 960); frontier (`frontier_wide.json`) 410 forward (2-bit Gaussian levels
+on all 1536 rotated coordinates, an 8-bit scale per 64 and a 2-byte token scale), and back each
+micro-batch's rank-2 code, bf16 factors P (n × 2) and Q (d × 2) for its n tokens: 4·(1 + d/n) per
+token (4.4 at the workload's n = 16 384; the codec's own time, a randomized SVD per micro-batch and
+cut, is not in this sum: see bench_codec.py). The frontier recipe has β = 0, so it runs no reference
+pass and needs no reference log-probs, whatever --ref says.
 
 β(M), the cut transfers on the critical path, is what bench_links.py fits at its M micro-batches,
 carried to the workload's M by a flow shop's (M + S − 2)/M (each pass's M micro-batches cross S − 1
@@ -48,25 +53,35 @@ anchor fires every step on a keyed 1/c share of the batch: the same compute, a s
 """
 import argparse
 
-KEEP, D, FWD_ROT, BWD_ROT = 77, 1536, 770, 242
+KEEP, D, FWD_ROT, BWD_ROT, FWD_FRONTIER, RANK_FRONTIER = 77, 1536, 770, 242, 410, 2
+CODECS = ("dense", "prf95", "rotated", "frontier")
 
 
-def bytes_per_token(codec: str) -> tuple[float, float]:
-    """Bytes one cut carries per token (forward, backward), bf16 activations."""
-    return {"dense": (D * 2, D * 2), "prf95": (KEEP * 2, KEEP * 2), "rotated": (FWD_ROT, BWD_ROT)}[codec]
+def bytes_per_token(codec: str, micro_tokens: float) -> tuple[float, float]:
+    """Bytes one cut carries per token (forward, backward), bf16 activations, micro-batches of
+    `micro_tokens` tokens (the rank code's Q factor is shared by a micro-batch's tokens)."""
+    rank_back = 2 * RANK_FRONTIER * (1 + D / micro_tokens)
+    return {"dense": (D * 2, D * 2), "prf95": (KEEP * 2, KEEP * 2), "rotated": (FWD_ROT, BWD_ROT),
+            "frontier": (FWD_FRONTIER, rank_back)}[codec]
 
 
-def pass_tokens(a) -> tuple[float, float, float]:
+def pass_tokens(a, codec: str) -> tuple[float, float, float]:
     """(tokens of the reference forward on the wire, of each update pass, response tokens) per step."""
     n = a.prompts * a.samples * a.tokens
     crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if a.share_prompts else n
     update = crossing * (1 - a.skipped_share)
-    return crossing if reference_pass(a) else 0.0, update, n * (1 - a.prompt_share)
+    return crossing if reference_pass(a, codec) else 0.0, update, n * (1 - a.prompt_share)
 
 
-def reference_pass(a) -> bool:
-    """Whether the pipeline runs a reference pass: not beside the sampler, and not at β = 0 (skipping)."""
-    return a.ref == "pipeline" and not a.skipped_share
+def reference_pass(a, codec: str) -> bool:
+    """Whether the pipeline runs a reference pass: not beside the sampler, and not at β = 0 (skipping,
+    or the frontier recipe, whose β is 0)."""
+    return a.ref == "pipeline" and not a.skipped_share and codec != "frontier"
+
+
+def needs_ref_floats(a, codec: str) -> bool:
+    """The sampler's reference log-probs cross only where there is a KL term."""
+    return a.ref == "sampler" and not a.skipped_share and codec != "frontier"
 
 
 def flow_shop(m: int, stages: int) -> float:
@@ -76,15 +91,15 @@ def flow_shop(m: int, stages: int) -> float:
 def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
     r = rate_bps / 8
     n = a.prompts * a.samples * a.tokens
-    ref, upd, resp = pass_tokens(a)
-    n_ref = n if reference_pass(a) else 0.0    # compute: sharing saves bytes, not FLOPs
+    ref, upd, resp = pass_tokens(a, codec)
+    n_ref = n if reference_pass(a, codec) else 0.0    # compute: sharing saves bytes, not FLOPs
     compute = (2 * n_ref + 6 * n * (1 - a.skipped_share)) * a.params / (a.stages * a.gpu_flops * a.mfu)
     beta = a.beta * flow_shop(a.m, a.stages) / flow_shop(a.bench_m, a.stages)
-    fwd, bwd = bytes_per_token(codec)
+    fwd, bwd = bytes_per_token(codec, n / a.m)
     out = {"compute": compute, "boundaries": beta * (fwd * (ref + upd) + bwd * upd) / r,
-           "ref": 4 * resp / r if a.ref == "sampler" and not a.skipped_share else 0.0,   # β = 0 needs none
+           "ref": 4 * resp / r if needs_ref_floats(a, codec) else 0.0,   # β = 0 needs none
            "sync (whole)": 2 * a.params / r, "sync (delta)": a.sync_ratio * 2 * a.params / r, "anchor": 0.0}
-    if codec != "dense":
+    if codec in ("prf95", "rotated"):   # the frontier recipe runs no anchor
         c, share = (a.anchor_every, 1.0) if a.anchor == "full" else (1, 1 / a.anchor_every)
         theta = (a.anchor_theta_ratio if a.anchor == "full" else a.sync_ratio) * 2 * a.params
         out["anchor"] = (theta + 24 * n * share + a.params / 8) / c / r
@@ -95,7 +110,7 @@ def table(a) -> str:
     lines = ["| link | codec | compute | boundaries β·B/r | sync whole / delta | anchor | total serial (× compute) | "
              "total overlapped (× compute) | dominant |", "|---|---|---|---|---|---|---|---|---|"]
     for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9)):
-        for codec in ("dense", "prf95", "rotated"):
+        for codec in CODECS:
             t = terms(codec, bps, a)
             sync = t["sync (delta)"]
             serial = t["compute"] + t["boundaries"] + t["ref"] + sync + t["anchor"]

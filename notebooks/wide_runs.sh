@@ -48,7 +48,7 @@ for name in "${names[@]}"; do
   if grep -q '"step": 100' "$dir/eval.jsonl" 2>/dev/null; then echo "$name: done"; continue; fi
   rm -rf "$dir"; mkdir -p "$dir"
   echo "$name: $(date +%T) start"
-  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
+  ( . "$venv/bin/activate" && deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
     > "$dir/stdout.log" 2>&1
   echo "$name: $(date +%T) rc=$?"
 done

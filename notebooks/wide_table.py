@@ -1,6 +1,9 @@
 """The codec frontier on the wide embedded model, from the 100-step runs of notebooks/wide_runs.sh.
 
-    python notebooks/wide_table.py [runs/wide]
+    python notebooks/wide_table.py [runs/wide] [TAG]
+
+TAG: the runs' suffix from wide_runs.sh (e.g. ws200, the step-200 warm start's runs: dense_ws200,
+frontier_s1_ws200, ...).
 
 Two tables. Bytes: per run, the mean per step over its steps of the boundary bytes (all cuts, both
 directions, every pass) as sent (fp32) and as a bf16 pipeline would send the same tensors (every
@@ -10,7 +13,9 @@ the whole as a share of the dense control's boundary bytes in fp32 and in bf16, 
 control that drops the reference pass and the zero-advantage groups too (β = 0, skipped), so the
 codec's own share stays visible. Learning: the compressed gradient's mean cosine with the dense one
 at the probe steps, the step-1 gap, held-out accuracy every 20 steps, and the share of the same
-seed's dense gain (against each control).
+seed's dense gain (against each control), and the mean train time per step (`timing/train`: the
+pipeline's passes with the codec's own encode and decode; a time from runs made one after another,
+some beside other work, so a rough ratio only).
 """
 import json
 import pathlib
@@ -18,16 +23,20 @@ import statistics
 import sys
 
 ROOT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "runs/wide")
+TAG = f"_{sys.argv[2]}" if len(sys.argv) > 2 else ""
 RUNS = {"dense": "dense, β = 0.001 (control)",
         "dense_b0_skip": "dense, β = 0, zero-advantage groups skipped (control with the savings)",
         "prf95": "PRF 5 % + anchor c = K = 1",
         "prf95_cm8": "PRF 5 % + compute-matched anchor, 1/8 of the groups",
         "rot4": "rotated fwd 384 × 4-bit / bwd 240 × 2-bit, no anchor",
-        "rot2": "rotated fwd 384 × 2-bit / bwd 240 × 2-bit, no anchor"}
+        "rot2": "rotated fwd 384 × 2-bit / bwd 240 × 2-bit, no anchor",
+        "rot2g_q4": "fwd 2-bit Gaussian levels per 64 / bwd rank 4, β = 0, no anchor",
+        "rot4_q4": "fwd 4-bit / bwd rank 4, β = 0, no anchor",
+        "frontier": "frontier_wide.json: fwd 2-bit Gaussian levels per 64 / bwd rank 2, β = 0, no anchor"}
 
 
 def rows(run: str, name: str = "metrics.jsonl") -> list[dict]:
-    path = ROOT / run / name
+    path = ROOT / (run + TAG) / name
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
 
 
@@ -61,15 +70,15 @@ def main():
         print(f"| {label} | {wire(r, False) / 1e6:.2f} | {wire(r, True) / 1e6:.2f} | {anchor / 1e6:.2f} | " +
               " | ".join(f"{s:.3f}" for s in shares) + " |")
     print("\n| run | cos(G_comp, G_dense) | gap at step 1 | held-out acc (0, 20, …, 100) | share of dense's gain "
-          "| share of dense β = 0 skipped's gain |")
-    print("|---|---|---|---|---|---|")
+          "| share of dense β = 0 skipped's gain | train s/step |")
+    print("|---|---|---|---|---|---|---|")
     for run, label, r, ev, seed in runs():
         gains = [(e[-1]["acc"] - e[0]["acc"]) if e and e[-1]["step"] == 100 else float("nan")
                  for e in (rows("dense" + seed, "eval.jsonl"), rows("dense_b0_skip" + seed, "eval.jsonl"))]
         gain = ev[-1]["acc"] - ev[0]["acc"]
         cos = [x["grad/cos_comp_dense"] for x in r if "grad/cos_comp_dense" in x]
         print(f"| {label} | {statistics.mean(cos):.3f} | {r[0]['rollout_corr/kl']:.3g} | " +
-              " / ".join(f"{e['acc']:.3f}" for e in ev) + " | " + " | ".join(f"{gain / g:.2f}" for g in gains) + " |")
+              " / ".join(f"{e['acc']:.3f}" for e in ev) + " | " + " | ".join(f"{gain / g:.2f}" for g in gains) + f" | {mean(r, 'timing/train'):.1f} |")
 
 
 if __name__ == "__main__":
