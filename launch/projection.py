@@ -37,7 +37,8 @@ on all 1536 rotated coordinates, an 8-bit scale per 64 and a 2-byte token scale)
 micro-batch's rank-2 code, bf16 factors P (n × 2) and Q (d × 2) for its n tokens: 4·(1 + d/n) per
 token (4.4 at the workload's n = 16 384; the codec's own time, a randomized SVD per micro-batch and
 cut, is not in this sum: see bench_codec.py). The frontier recipe has β = 0, so it runs no reference
-pass and needs no reference log-probs, whatever --ref says.
+pass and needs no reference log-probs, whatever --ref says; and its rank-coded backward does not
+run with shared prompts (the config refuses the pair), so --share-prompts leaves it unchanged.
 
 β(M), the cut transfers on the critical path, is what bench_links.py fits at its M micro-batches,
 carried to the workload's M by a flow shop's (M + S − 2)/M (each pass's M micro-batches cross S − 1
@@ -68,7 +69,8 @@ def bytes_per_token(codec: str, micro_tokens: float) -> tuple[float, float]:
 def pass_tokens(a, codec: str) -> tuple[float, float, float]:
     """(tokens of the reference forward on the wire, of each update pass, response tokens) per step."""
     n = a.prompts * a.samples * a.tokens
-    crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if a.share_prompts else n
+    shared = a.share_prompts and codec != "frontier"    # the config refuses shared prompts with a rank code
+    crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if shared else n
     update = crossing * (1 - a.skipped_share)
     return crossing if reference_pass(a, codec) else 0.0, update, n * (1 - a.prompt_share)
 

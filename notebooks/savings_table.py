@@ -25,7 +25,8 @@ RUNS = {"dense": "dense, β = 0.001 (control)",
         "rot4_b0_skip": "rotated.json, β = 0, zero-advantage groups skipped",
         "rot4_share": "rotated.json, shared prompts",
         "rot4_all": "rotated.json, β = 0, skipped groups, shared prompts",
-        "dense_all": "dense, β = 0, skipped groups, shared prompts"}
+        "dense_all": "dense, β = 0, skipped groups, shared prompts",
+        "frontier_tiny": "frontier_wide.json's codec (2-bit Gaussian levels, rank-2 backward, β = 0)"}
 RUNS.update({k + "_s1": "seed 1: " + v for k, v in list(RUNS.items())})
 
 
