@@ -186,7 +186,9 @@ def test_frontier_codec_resumes_bitwise(tmp_path):
     back, β = 0): four steps, and two then `--resume` to four, give the same rows, evaluations and
     weights bit for bit (the rank code's random test matrix is seeded by its micro-batch's first
     token key, so a restart draws it again). Its codes weigh the same in a bf16 pipeline, and the
-    backward (2 · (n + d) bf16 values per micro-batch of n tokens) is a few bytes per token."""
+    backward (2 · (n + d) bf16 values per micro-batch of n tokens) is a few bytes per token. Micro-
+    batches of 2 sequences instead of 8 give the same step-1 forward (the forward code is each
+    token's own); the update then differs, as the rank code is a micro-batch's (its stated bias)."""
     launch(8, tmp_path / "a", *FRONTIER)
     launch(8, tmp_path / "b", *FRONTIER, "train.steps=2")
     launch(8, tmp_path / "b", *FRONTIER, "train.steps=4", resume=True)
@@ -198,6 +200,13 @@ def test_frontier_codec_resumes_bitwise(tmp_path):
     for x in ra:
         assert (x["codec/bytes_fwd_bf16"], x["codec/bytes_bwd_bf16"]) == (x["codec/bytes_fwd"], x["codec/bytes_bwd"])
         assert x["codec/bytes_bwd"] < x["codec/dense_equiv_bytes_bwd"] / 8
+    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    (tmp_path / "micro2.json").write_text(json.dumps(cfg))
+    launch(8, tmp_path / "micro2", *FRONTIER, "train.steps=1", config=tmp_path / "micro2.json")
+    r2 = rows(tmp_path / "micro2")[0]
+    for k in ("actor/pg_loss", "rollout_corr/kl", "actor/entropy"):
+        assert math.isclose(ra[0][k], r2[k], rel_tol=1e-4, abs_tol=1e-7), (k, ra[0][k], r2[k])
 
 
 @pytest.mark.parametrize("codec", ["prf", "rotated"])
