@@ -27,7 +27,7 @@ declare -A RUNS=(
   [rot8_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
   [rot4b4_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_bits=4 anchor.enabled=false"
   # a second seed (data order, sampling, codec key; the same warm start)
-  [dense_s1]="hf ds_configs/dense.json train.seed=1 codec.seed=1"
+  [dense_s1]="hf ds_configs/dense.json train.seed=1"
   [rot4_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
   [prf95_s1]="hf ds_configs/prf95.json train.seed=1 codec.seed=1"
   [rot8_noanchor_s1]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=8 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false train.seed=1 codec.seed=1"
@@ -39,7 +39,7 @@ declare -A RUNS=(
   [rot4_b0_skip]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true"
   [prf95_refs_s1]="hf ds_configs/prf95.json grpo.ref_logprobs=sampler train.seed=1 codec.seed=1"
   [rot4_refs_s1]="hf ds_configs/rotated.json grpo.ref_logprobs=sampler train.seed=1 codec.seed=1"
-  [dense_b0_skip_s1]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
+  [dense_b0_skip_s1]="hf ds_configs/dense.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1"
   [rot4_b0_skip_s1]="hf ds_configs/rotated.json grpo.kl_coef=0 grpo.skip_zero_advantage=true train.seed=1 codec.seed=1"
   # shared prompts (one code per group at every cut), and every saving together
   [rot4_share]="hf ds_configs/rotated.json grpo.share_prompts=true"
@@ -63,5 +63,6 @@ for name in "${names[@]}"; do
   echo "$name: $(date +%T) start"
   ( . "$venv/bin/activate" && deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
     > "$dir/stdout.log" 2>&1
-  echo "$name: $(date +%T) rc=$?"
+  rc=$?
+  echo "$name: $(date +%T) rc=$rc"
 done

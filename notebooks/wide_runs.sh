@@ -31,7 +31,9 @@ declare -A RUNS=(
   [rot4_q4]="ds_configs/rotated.json $W codec.bwd_rank=4 grpo.kl_coef=0"
   [frontier]="ds_configs/frontier_wide.json"
 )
-for k in "${!RUNS[@]}"; do RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; done
+for k in "${!RUNS[@]}"; do   # the dense codec reads no codec.seed (the config refuses an unread key)
+  if [[ $k == dense* ]]; then RUNS[${k}_s1]="${RUNS[$k]} train.seed=1"; else RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; fi
+done
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(dense rot4 dense_b0_skip prf95_cm8 rot2 prf95 dense_s1 rot4_s1 dense_b0_skip_s1 prf95_cm8_s1 rot2_s1 prf95_s1)
 for name in "${names[@]}"; do
@@ -50,5 +52,6 @@ for name in "${names[@]}"; do
   echo "$name: $(date +%T) start"
   ( . "$venv/bin/activate" && deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py --ds-config "$cfg" --run-dir "$dir" $overrides ) \
     > "$dir/stdout.log" 2>&1
-  echo "$name: $(date +%T) rc=$?"
+  rc=$?
+  echo "$name: $(date +%T) rc=$rc"
 done
