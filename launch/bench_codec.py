@@ -51,40 +51,35 @@ def run_prf(d: int, tokens: int) -> dict:
     return {"codec": f"prf k={k}", "d": d, "tokens": x.shape[0] * x.shape[1], "times": t}
 
 
-def run_rotated(d: int, tokens: int) -> dict:
-    fwd, bwd = rotated.Budget(d, d, 4), rotated.Budget(d, d * 5 // 8, 2)
+def time_rotated(d: int, tokens: int, fwd: rotated.Budget, name: str, back_encode: str, back_decode: str,
+                 **names) -> dict:
+    """Keys, the forward's rotated encode and decode, and the backward's code of a gradient g of the
+    same shape: `back_encode` (→ yb) and `back_decode` are statements over g, yb, keys, d and `names`."""
     x, pos, sid = activation(d, tokens)
     xs, g = x.reshape(-1, d), torch.randn(x.numel() // d, d)
     keys = prf.token_keys(0, 0, 1, sid[:, None], pos).reshape(-1)
-    yf, yb = rotated.encode(xs, keys, fwd, "fwd"), rotated.encode(g, keys, bwd, "bwd")
-    env = dict(x=x, xs=xs, g=g, keys=keys, yf=yf, yb=yb, fwd=fwd, bwd=bwd, pos=pos, sid=sid, prf=prf,
-               rotated=rotated)
+    env = dict(x=x, xs=xs, g=g, keys=keys, fwd=fwd, d=d, pos=pos, sid=sid, prf=prf, rotated=rotated,
+               rank_code=rank_code, **names)
+    env["yf"], env["yb"] = rotated.encode(xs, keys, fwd, "fwd"), eval(back_encode, env)
     t = {"dense copy": bench("x.clone()", env),
          "keys": bench("prf.token_keys(0, 0, 1, sid[:, None], pos)", env),
          "encode": bench("rotated.encode(xs, keys, fwd, 'fwd')", env),
          "decode": bench("rotated.decode(yf, keys, fwd, 'fwd')", env),
-         "encode bwd": bench("rotated.encode(g, keys, bwd, 'bwd')", env),
-         "decode bwd": bench("rotated.decode(yb, keys, bwd, 'bwd')", env)}
-    name = f"rotated {fwd.m}x{fwd.bits}/{bwd.m}x{bwd.bits} ({fwd.bytes_per_token}/{bwd.bytes_per_token} B)"
-    return {"codec": name, "d": d, "tokens": xs.shape[0], "times": t}
+         "encode bwd": bench(back_encode, env),
+         "decode bwd": bench(back_decode, env)}
+    return {"codec": f"{name} ({fwd.bytes_per_token}/{env['yb'].shape[1]} B)", "d": d, "tokens": xs.shape[0],
+            "times": t}
+
+
+def run_rotated(d: int, tokens: int) -> dict:
+    fwd, bwd = rotated.Budget(d, d, 4), rotated.Budget(d, d * 5 // 8, 2)
+    return time_rotated(d, tokens, fwd, f"rotated {fwd.m}x{fwd.bits}/{bwd.m}x{bwd.bits}",
+                        "rotated.encode(g, keys, bwd, 'bwd')", "rotated.decode(yb, keys, bwd, 'bwd')", bwd=bwd)
 
 
 def run_frontier(d: int, tokens: int, rank: int = 2) -> dict:
-    fwd = rotated.Budget(d, d, 2, 64, "gauss")
-    x, pos, sid = activation(d, tokens)
-    xs, g = x.reshape(-1, d), torch.randn(x.numel() // d, d)
-    keys = prf.token_keys(0, 0, 1, sid[:, None], pos).reshape(-1)
-    yf, yb = rotated.encode(xs, keys, fwd, "fwd"), rank_code.encode(g, rank, 0)
-    env = dict(x=x, xs=xs, g=g, keys=keys, yf=yf, yb=yb, fwd=fwd, d=d, rank=rank, pos=pos, sid=sid, prf=prf,
-               rotated=rotated, rank_code=rank_code)
-    t = {"dense copy": bench("x.clone()", env),
-         "keys": bench("prf.token_keys(0, 0, 1, sid[:, None], pos)", env),
-         "encode": bench("rotated.encode(xs, keys, fwd, 'fwd')", env),
-         "decode": bench("rotated.decode(yf, keys, fwd, 'fwd')", env),
-         "encode bwd": bench("rank_code.encode(g, rank, 0)", env),
-         "decode bwd": bench("rank_code.decode(yb, d, rank)", env)}
-    name = f"frontier {d}x2 gauss t64/rank {rank} ({fwd.bytes_per_token}/{yb.shape[1]} B)"
-    return {"codec": name, "d": d, "tokens": xs.shape[0], "times": t}
+    return time_rotated(d, tokens, rotated.Budget(d, d, 2, 64, "gauss"), f"frontier {d}x2 gauss t64/rank {rank}",
+                        "rank_code.encode(g, rank, 0)", "rank_code.decode(yb, d, rank)", rank=rank)
 
 
 def main():

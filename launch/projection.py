@@ -56,6 +56,10 @@ import argparse
 
 KEEP, D, FWD_ROT, BWD_ROT, FWD_FRONTIER, RANK_FRONTIER = 77, 1536, 770, 242, 410, 2
 CODECS = ("dense", "prf95", "rotated", "frontier")
+# what each codec's recipe runs besides its code: the frontier's β is 0 (no KL term), its rank code
+# does not run with shared prompts (the config refuses the pair), and only prf95 and rotated project
+# an anchor
+NO_KL, NO_SHARED_PROMPTS, ANCHORED = {"frontier"}, {"frontier"}, {"prf95", "rotated"}
 
 
 def bytes_per_token(codec: str, micro_tokens: float) -> tuple[float, float]:
@@ -69,21 +73,21 @@ def bytes_per_token(codec: str, micro_tokens: float) -> tuple[float, float]:
 def pass_tokens(a, codec: str) -> tuple[float, float, float]:
     """(tokens of the reference forward on the wire, of each update pass, response tokens) per step."""
     n = a.prompts * a.samples * a.tokens
-    shared = a.share_prompts and codec != "frontier"    # the config refuses shared prompts with a rank code
+    shared = a.share_prompts and codec not in NO_SHARED_PROMPTS
     crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if shared else n
     update = crossing * (1 - a.skipped_share)
     return crossing if reference_pass(a, codec) else 0.0, update, n * (1 - a.prompt_share)
 
 
+def has_kl(a, codec: str) -> bool:
+    """Whether the step has a KL term, so reference log-probs: not at β = 0 (skipping needs it, and
+    a recipe of NO_KL has it)."""
+    return not a.skipped_share and codec not in NO_KL
+
+
 def reference_pass(a, codec: str) -> bool:
-    """Whether the pipeline runs a reference pass: not beside the sampler, and not at β = 0 (skipping,
-    or the frontier recipe, whose β is 0)."""
-    return a.ref == "pipeline" and not a.skipped_share and codec != "frontier"
-
-
-def needs_ref_floats(a, codec: str) -> bool:
-    """The sampler's reference log-probs cross only where there is a KL term."""
-    return a.ref == "sampler" and not a.skipped_share and codec != "frontier"
+    """Whether the pipeline runs a reference pass: a KL term, its log-probs not beside the sampler."""
+    return a.ref == "pipeline" and has_kl(a, codec)
 
 
 def flow_shop(m: int, stages: int) -> float:
@@ -99,9 +103,9 @@ def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
     beta = a.beta * flow_shop(a.m, a.stages) / flow_shop(a.bench_m, a.stages)
     fwd, bwd = bytes_per_token(codec, n / a.m)
     out = {"compute": compute, "boundaries": beta * (fwd * (ref + upd) + bwd * upd) / r,
-           "ref": 4 * resp / r if needs_ref_floats(a, codec) else 0.0,   # β = 0 needs none
+           "ref": 4 * resp / r if a.ref == "sampler" and has_kl(a, codec) else 0.0,
            "sync (whole)": 2 * a.params / r, "sync (delta)": a.sync_ratio * 2 * a.params / r, "anchor": 0.0}
-    if codec in ("prf95", "rotated"):   # the frontier recipe runs no anchor
+    if codec in ANCHORED:
         c, share = (a.anchor_every, 1.0) if a.anchor == "full" else (1, 1 / a.anchor_every)
         theta = (a.anchor_theta_ratio if a.anchor == "full" else a.sync_ratio) * 2 * a.params
         out["anchor"] = (theta + 24 * n * share + a.params / 8) / c / r

@@ -128,6 +128,14 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
 ROTATED = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
 
 
+def micro2_config(tmp_path):
+    """The tiny test config with micro-batches of 2 sequences instead of 8 (a path)."""
+    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    (tmp_path / "micro2.json").write_text(json.dumps(cfg))
+    return tmp_path / "micro2.json"
+
+
 @pytest.fixture(scope="module")
 def rotated(tiny_model, tmp_path_factory):
     """The rotated codec, forward 32 coordinates at 4 bits, backward 20 at 2 bits, 4 steps."""
@@ -154,10 +162,7 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, ro
     dense = rows(eight)[0]
     assert (r[0]["codec/dense_equiv_bytes"], r[0]["codec/dense_equiv_bytes_bwd"]) == \
         (dense["codec/bytes_fwd"], dense["codec/bytes_bwd"])
-    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
-    cfg["train_micro_batch_size_per_gpu"] = 2
-    (tmp_path / "micro2.json").write_text(json.dumps(cfg))
-    launch(8, tmp_path / "micro2", *ROTATED, config=tmp_path / "micro2.json")
+    launch(8, tmp_path / "micro2", *ROTATED, config=micro2_config(tmp_path))
     for ra, rb in zip(r, rows(tmp_path / "micro2")):
         for k in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"):
             assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
@@ -200,10 +205,7 @@ def test_frontier_codec_resumes_bitwise(tmp_path):
     for x in ra:
         assert (x["codec/bytes_fwd_bf16"], x["codec/bytes_bwd_bf16"]) == (x["codec/bytes_fwd"], x["codec/bytes_bwd"])
         assert x["codec/bytes_bwd"] < x["codec/dense_equiv_bytes_bwd"] / 8
-    cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
-    cfg["train_micro_batch_size_per_gpu"] = 2
-    (tmp_path / "micro2.json").write_text(json.dumps(cfg))
-    launch(8, tmp_path / "micro2", *FRONTIER, "train.steps=1", config=tmp_path / "micro2.json")
+    launch(8, tmp_path / "micro2", *FRONTIER, "train.steps=1", config=micro2_config(tmp_path))
     r2 = rows(tmp_path / "micro2")[0]
     for k in ("actor/pg_loss", "rollout_corr/kl", "actor/entropy"):
         assert math.isclose(ra[0][k], r2[k], rel_tol=1e-4, abs_tol=1e-7), (k, ra[0][k], r2[k])
