@@ -12,7 +12,8 @@
 # coordinates, or 4-bit uniform, forward; the rank-4 code of each micro-batch's gradient backward),
 # the reference off the wire (β = 0) and no other saving. frontier: ds_configs/frontier_wide.json as
 # shipped (2-bit Gaussian levels per 64-coordinate tile forward, rank 2 backward, β = 0; its own model
-# block: the wide model's step-200 warm start). A finished run (its eval.jsonl has step
+# block: the wide model's step-200 warm start); frontier3: the same with 3-bit Lloyd–Max levels
+# forward (the next share up, for the smallest share at which both seeds reach 90 %). A finished run (its eval.jsonl has step
 # 100) is not run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,7 @@ declare -A RUNS=(
   [rot2g_q4]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.fwd_tile=64 codec.fwd_levels=gauss codec.bwd_rank=4 grpo.kl_coef=0"
   [rot4_q4]="ds_configs/rotated.json $W codec.bwd_rank=4 grpo.kl_coef=0"
   [frontier]="ds_configs/frontier_wide.json"
+  [frontier3]="ds_configs/frontier_wide.json codec.fwd_bits=3"
 )
 for k in "${!RUNS[@]}"; do   # the dense codec reads no codec.seed (the config refuses an unread key)
   if [[ $k == dense* ]]; then RUNS[${k}_s1]="${RUNS[$k]} train.seed=1"; else RUNS[${k}_s1]="${RUNS[$k]} train.seed=1 codec.seed=1"; fi
