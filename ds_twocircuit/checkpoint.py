@@ -12,13 +12,16 @@ are on disk (DeepSpeed's closing barrier):
 so `latest` only ever names a sealed checkpoint. `--resume` checks the files against the manifests
 before DeepSpeed reads any (one manifest per node: on a shared filesystem they list the same files,
 on node-local disks each lists its node's), and a missing, truncated or altered file is refused
-with its name. Hashing only: imports nothing heavy, runs before any process group.
+with its name. The checks import nothing heavy and run before any process group; `Checkpointer`
+(the trainer's save and load through DeepSpeed's engine) imports torch only when it runs.
 """
 import hashlib
 import json
+import os
 import pathlib
 
 from .config.schema import ConfigError
+from .faults import fault_point
 from .files import write_atomic
 
 MANIFEST = "manifest.{node}.json"
@@ -83,3 +86,34 @@ def check_file(path: pathlib.Path, want: dict) -> None:
                               f"sealed at {want['bytes']}")
     if sha256(path) != want["sha256"]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the one it was sealed with")
+
+
+class Checkpointer:
+    """The trainer's checkpoints under `run_dir/checkpoints/step<N>`: DeepSpeed's own files, with the
+    step and the anchor fire held then as client state."""
+
+    def __init__(self, engine, run_dir: pathlib.Path):
+        self.engine, self.dir = engine, run_dir / "checkpoints"
+
+    def save(self, done: int, anchor_fire: int) -> None:
+        """DeepSpeed's save, sealed by each node, then named by `latest` (every rank calls it;
+        `anchor_fire`: the fire the anchor holds, −1 without one)."""
+        import torch.distributed as dist
+        tag = f"step{done}"
+        fault_point("save", done)
+        self.engine.save_checkpoint(str(self.dir), tag=tag, client_state={"step": done, "anchor_fire": anchor_fire},
+                                    save_latest=False)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:          # DeepSpeed's save ends in a barrier
+            seal(self.dir / tag, f"node{os.environ.get('CROSS_RANK', '0')}")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            point_latest(self.dir, tag)
+
+    def load(self, anchored: bool) -> tuple[int, int | None]:
+        """→ (steps done, the anchor fire held then; None without an anchor or from a checkpoint that
+        did not record it)."""
+        if not (self.dir / "latest").is_file():
+            raise ValueError(f"--resume: no checkpoint under {self.dir}")
+        _, client = self.engine.load_checkpoint(str(self.dir))
+        fire = client.get("anchor_fire")
+        return int(client["step"]), (int(fire) if fire is not None and anchored else None)

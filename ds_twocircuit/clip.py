@@ -1,10 +1,10 @@
 """Gradient clipping by the true global norm across all pipeline stages (plain fp32 path).
 
 DeepSpeed 0.19.8's fp32 pipeline path treats the pipe group as model-parallel and clips by a norm
-that counts only stage 0's gradients (see DEEPSPEED_NOTES). Here every stage's squared norm is
-all-reduced over the pipe group, the tied head's duplicate counted once, and all stages scale by
-the same factor, before the optimizer consumes the gradient (a step pre-hook, so it runs before
-any other gradient transform):
+that counts only stage 0's gradients (measured: the norm it reports is stage 0's). Here every
+stage's squared norm is all-reduced over the pipe group, the tied head's duplicate counted once, and all stages scale by
+the same factor, before the optimizer consumes the gradient (the first of the step's pre-hooks,
+step_order.py):
 
     n = sqrt(Σ_stages Σ_params ‖g‖²),    g ← g · c/(n + 1e-6)   when n > c = gradient_clipping
 
@@ -21,8 +21,6 @@ class TrueNormClip:
         dup = {id(p) for m in pipe.modules() if isinstance(m, Embed) and pipe.stage_id != 0 for p in m.parameters()}
         self.params = [p for p in pipe.parameters() if p.requires_grad and id(p) not in dup]
         self.group = engine.grid.get_pipe_parallel_group()
-        if self.active:
-            engine.optimizer.register_step_pre_hook(lambda *_: self.clip())
 
     @torch.no_grad()
     def clip(self) -> None:

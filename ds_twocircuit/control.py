@@ -1,4 +1,4 @@
-"""The drift controller (SPEC S7): acts on the true drift the codec-off probe reads, instead of on
+"""The drift controller: acts on the true drift the codec-off probe reads, instead of on
 a fixed threshold of a codec-view number, with two levers: β of the KL term and dense steps.
 
 The codec-view KL to the reference is inflated by the mask itself (large from step 1, says nothing

@@ -1,6 +1,6 @@
 """Lossless weight deltas: send only the elements whose value, in the receiver's dtype, changed.
 
-RL moves weights little per step (the reports: 0.03–0.13 % over a whole run), below bf16's ~0.4 %
+RL moves weights little per step (published RL fine-tuning runs: 0.03–0.13 % over a whole run), below bf16's ~0.4 %
 resolution, so most bf16 values a sampler holds do not change from one step to the next. The
 sender keeps the values it last sent (`old`), compares them with the new ones bit for bit (so −0.0
 against 0.0 and NaN payloads count as changes: the receiver ends bitwise equal), and encodes each

@@ -1,4 +1,4 @@
-"""The evaluation protocol of the design reports: greedy mean@1 and avg@k at a temperature.
+"""The evaluation protocol of the math-reasoning RL literature: greedy mean@1 and avg@k at a temperature.
 
 For P problems and k samples each, with hits h[p, j] ∈ {0, 1} (sample j of problem p correct):
 
@@ -7,7 +7,7 @@ For P problems and k samples each, with hits h[p, j] ∈ {0, 1} (sample j of pro
                                                      population std over the k passes)
     pass@k     = (1 / P) Σ_p max_j h[p, j]
 
-Competition sets are small (AIME: 30 problems), so one sampled pass is noisy; the reports quote
+Competition sets are small (AIME: 30 problems), so one sampled pass is noisy; published results quote
 avg@k with k = 16 or 32 there, and greedy mean@1 on the larger sets.
 """
 import torch

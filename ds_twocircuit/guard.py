@@ -1,4 +1,4 @@
-"""Non-finite steps (SPEC S9): a NaN/inf loss or gradient on any stage skips that optimizer step everywhere.
+"""Non-finite steps: a NaN/inf loss or gradient on any stage skips that optimizer step everywhere.
 
 Every rank's optimizer step is wrapped. Before anything steps (the true-norm clip, the sign
 correction, AdamW), each rank flags whether the gradients it holds or, on the last stage, the loss
@@ -115,3 +115,10 @@ class FiniteGuard:
             self.verdict.skipped += 1
             self.verdict.stages |= seen
         return out
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on: train.max_skipped_steps steps in a row skipped (every rank raises it at
+    the same step); launch/train.py prints it as one line."""
+
+    label = "training stopped"

@@ -4,7 +4,7 @@ Every rank builds its partial sums as one flat dict with the same keys on every 
 holds nothing: only the last stage has losses, each stage its own slot of the per-stage keys);
 `sum_to_rank0` gathers the dicts to global rank 0 and adds them up in rank order, key by key, so no
 value depends on where it sits in a vector or on the collective's summation order. The `finish`
-functions turn the sums into the logged metrics (SPEC S6 names). A partial that is not itself a
+functions turn the sums into the logged metrics (named as in docs/metrics.md). A partial that is not itself a
 metric has a name part that starts with "_".
 
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
@@ -26,6 +26,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .grpo.advantages import zero_advantage_groups
 from .metrics import finish_mismatch
 
 LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
@@ -139,3 +140,16 @@ def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -
     out.update(finish_wire(r, num_stages))
     out.update({k: v for k, v in r.items() if k.startswith("memory/")})
     return out
+
+
+def group_shares(rewards_N: torch.Tensor, group_size: int, skipping: bool) -> dict[str, float]:
+    """The share of the step's groups whose rewards are all equal (advantage 0), and of those left
+    out of the update (grpo.skip_zero_advantage)."""
+    share = float(zero_advantage_groups(rewards_N, group_size).float().mean())
+    return {"train/zero_advantage_groups": share, **({"train/skipped_groups": share} if skipping else {})}
+
+
+def reference_bytes(ref_NT1: torch.Tensor | None, resp_NT1: torch.Tensor) -> dict[str, float]:
+    """The reference log-probs' bytes from the sampler's rank to the last stage(s): one float32 per
+    response token; nothing where the pipeline computes them."""
+    return {} if ref_NT1 is None else {"codec/bytes_ref_logprobs": 4.0 * float((resp_NT1 > 0).sum())}

@@ -8,7 +8,7 @@
 A benchmark is `held_out` (the recipe's own held-out set: the embedded task's, or
 `data.eval_dataset`) or NAME=SOURCE[:K], SOURCE a local .jsonl/.parquet file or a hub data set in
 the local HF cache with `problem` and `answer` (or MATH's `solution`) columns, scored by
-math-verify; K overrides `--k` for that set (the reports: 16 or 32 on competition sets). Prompts
+math-verify; K overrides `--k` for that set (published results: 16 or 32 on competition sets). Prompts
 follow the recipe (`data.chat_template`, `data.system_prompt`, `data.max_prompt_len`), responses
 `grpo.max_new_tokens`. Sampling runs on vLLM when it is installed (`--backend auto`), else HF.
 `--codec-budgets` also reports the held-out set's greedy accuracy generated through the boundary

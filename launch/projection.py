@@ -5,7 +5,7 @@ GPU stages at 100 Mbit/s and 1 Gbit/s, per codec, and which term dominates.
                                 [--anchor compute-matched|full] [--ref sampler] [--prompt-share S
                                 --share-prompts] [--skipped-share Z] ...
 
-The workload is the reports': 512 prompts × 8 samples × up to 4096 tokens per step (N = 16.8 M
+The workload is a GRPO step at deployment scale: 512 prompts × 8 samples × up to 4096 tokens per step (N = 16.8 M
 tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % MFU. Per step:
 
     compute      (2·P·N_ref + 6·P·N_upd) / (S·F·mfu)   the reference pass and the update, on S devices

@@ -1,4 +1,4 @@
-"""Per-cut NMSE of boundary codecs on real tensors of the embedded default (issue 12, item 4).
+"""Per-cut NMSE of boundary codecs on real tensors of the embedded default.
 
     python notebooks/codec_nmse.py [--prompts 32] [--group 8] [--wide | --embedded-wide] [--tiles 16 64 128]
 

@@ -1,4 +1,4 @@
-"""The bytes-vs-learning frontier (issue 12) from the 100-step runs under runs/readme/.
+"""The bytes-vs-learning frontier from the 100-step runs under runs/readme/.
 
     python notebooks/frontier_table.py [runs/readme]
 

@@ -17,7 +17,7 @@ declare -A RUNS=(
   [prf95_vllm]="vllm ds_configs/prf95.json sampler.backend=vllm"
   [dense_vllm_bf16]="vllm ds_configs/dense.json sampler.backend=vllm sampler.dtype=bfloat16"
   [prf95_vllm_bf16]="vllm ds_configs/prf95.json sampler.backend=vllm sampler.dtype=bfloat16"
-  # the codec frontier (issue 12): rotated codec, forward all 64 coordinates at b bits, backward 40 at 2 bits
+  # the codec frontier: rotated codec, forward all 64 coordinates at b bits, backward 40 at 2 bits
   [rot4_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=4 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
   [rot3_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=3 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"
   [rot2_noanchor]="hf ds_configs/prf95.json codec.name=rotated codec.fwd_bits=2 codec.bwd_coords=40 codec.bwd_bits=2 anchor.enabled=false"

@@ -1,4 +1,4 @@
-"""Generation through the boundary codec: the inference-time compression check (SPEC S7).
+"""Generation through the boundary codec: the inference-time compression check.
 
 A frozen HF checkpoint generates with every cut's hidden state taking the round trip the pipeline
 would give it, x̂ = decode(encode(x)), at the cut's decoder layer:

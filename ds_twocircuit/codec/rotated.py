@@ -1,4 +1,4 @@
-"""The rotated, dithered low-bit boundary codec (issue 12): a wire protocol, computed at both ends.
+"""The rotated, dithered low-bit boundary codec: a wire protocol, computed at both ends.
 
 Protocol v1 (pure torch; every random quantity is a keyed function of the token, so nothing but
 the code crosses the wire). Per token, h = prf.token_keys(seed, layer, step, sample, position) and

