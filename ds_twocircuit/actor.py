@@ -1,7 +1,7 @@
 """The actor side of a step: the compressed pipeline, its base weights, and the two things it does
 with a batch, the codec-off probe and the update.
 
-Every rank holds one `Actor` over its own stage. The optimizer step's order (step_order.py) is
+Every rank holds one `Actor` over its own stage. The optimizer step's order (pipeline/step_order.py) is
 installed here once: guard, clip, the probe's gradient comparison, the anchor's sign correction,
 the comparison again. An update runs inside one step context (`stepping`) that keys the codec by
 the step, counts the wire and the codec's payloads, arms the sign correction and the guard, and
@@ -15,22 +15,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import passes, telemetry
+from .pipeline import passes
+from .metrics import telemetry
 from .anchor.correction import Agreement, SignCorrection
 from .codec.boundary import PayloadCount
-from .engine import Pipeline
-from .grads import GradientComparison, GradientViews
+from .pipeline.engine import Pipeline
+from .pipeline.grads import GradientComparison, GradientViews
 from .grpo.loss import LossCoefs, k3_kl
 from .grpo.rollouts import Rollout, nonzero_advantage_rows
-from .guard import FiniteGuard, Verdict
-from .metrics import MISMATCH_SUMS, mismatch_sums
-from .step_order import install_step_hooks
-from .wire import WireCount, WireCounter
+from .pipeline.guard import FiniteGuard, Verdict
+from .metrics.health import MISMATCH_SUMS, mismatch_sums
+from .pipeline.step_order import install_step_hooks
+from .pipeline.wire import WireCount, WireCounter
 
 
 @dataclass
 class Probe:
-    partials: dict[str, float]                 # probe/... sums (telemetry.py) and its forward bytes
+    partials: dict[str, float]                 # probe/... sums (metrics/telemetry.py) and its forward bytes
     grads: dict[str, torch.Tensor] | None      # the dense gradient by HF name (per-parameter precision only)
 
 
@@ -134,7 +135,7 @@ class Actor:
         return partials, grad_norm, counts.verdict
 
     def _partials(self, counts: StepCounts, updates, shards, kept, olds, on_policy: bool, dots) -> dict:
-        """This rank's metric partials of an update (telemetry.py sums them over ranks)."""
+        """This rank's metric partials of an update (metrics/telemetry.py sums them over ranks)."""
         p = self.p
         # the means over the tokens that entered the passes: the kept ones' count
         means = shards if kept is None else [(mb, k) for (mb, _), k in zip(shards, kept)]

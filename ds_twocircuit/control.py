@@ -21,7 +21,7 @@ replaying metrics.jsonl, and refuses to resume when the rows were not produced b
 """
 import math
 
-from .metrics import Trend
+from .metrics.health import Trend
 
 PROBE_KL = "probe/actor/kl_loss"
 

@@ -13,15 +13,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from .calibration import calibration_batch
-from .comm import broadcast_tensors
+from .pipeline.calibration import calibration_batch
+from .pipeline.comm import broadcast_tensors
 from .data import build_task, step_rows
 from .grpo.advantages import group_advantages
 from .grpo.rollouts import Rollout
 from .sampler import build_sampler
 from .sampler.hf import greedy_accuracy
 from .sampler.reference import ReferenceLogProbs, pack, unpack
-from .weight_sync import WeightSync, dump_for_tests
+from .sync.weight_sync import WeightSync, dump_for_tests
 
 
 class RolloutSide:
@@ -44,7 +44,7 @@ class RolloutSide:
         return self.sampler.weight_shapes() if self.sampler is not None else None
 
     def calibration(self, micro: int) -> Rollout:
-        """The lowrank codec's calibration batch (calibration.py), on every rank."""
+        """The lowrank codec's calibration batch (pipeline/calibration.py), on every rank."""
         ts = calibration_batch(self.tokenizer, self.task, micro).tensors() if self.task is not None else None
         return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
 
@@ -80,7 +80,7 @@ class RolloutSide:
         return unpack(flat, r.resp_NT1)
 
     def sync(self, weight_sync: WeightSync, ships: bool) -> tuple[dict | None, dict]:
-        """The stages' weights to the sampler as deltas in its dtype (weight_sync.py), every rank taking
+        """The stages' weights to the sampler as deltas in its dtype (sync/weight_sync.py), every rank taking
         part; → (on rank 0: the sampler's weights, every tensor, when `ships` (the anchor takes them),
         else None; the sync's metrics: wire bytes and the changed fraction, the bytes the sampler
         took in and the seconds it took), (None, {}) elsewhere."""

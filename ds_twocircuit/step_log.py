@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from .config import RunConfig, as_dict, write_run_config
 from .control import DriftController
-from .logger import RunLogger
-from .metrics import Trend
+from .metrics.logger import RunLogger
+from .metrics.health import Trend
 
 
 class StepLog:

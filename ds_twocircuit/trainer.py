@@ -11,8 +11,8 @@
                from the sampler's rank), old log-probs (when > 1 update)
             ─► [grpo.skip_zero_advantage] only the sequences with a non-zero advantage enter the updates
             ─► pipeline train_batch per PPO mini-batch, the optimizer step in its order
-               (step_order.py) ─► θ_{t+1}                                              (actor.py)
-            ─► dense weights to the sampler (weight_sync.py) ─► the step's row on rank 0 (step_log.py)
+               (pipeline/step_order.py) ─► θ_{t+1}                                     (actor.py)
+            ─► dense weights to the sampler (sync/) ─► the step's row on rank 0      (step_log.py)
 
 A dense step (`train.dense_every`, or the drift controller's) runs every pass of its step with the
 codec off; with `control.*` on, the controller (control.py) reads the probe and sets β and which
@@ -31,20 +31,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from . import telemetry
+from .metrics import telemetry
 from .actor import Actor
 from .anchor.link import AnchorLink
-from .calibration import initial_bases
-from .checkpoint import Checkpointer
+from .pipeline.calibration import initial_bases
+from .run.checkpoint import Checkpointer
 from .config import RunConfig, as_dict
-from .engine import build_pipeline
-from .guard import TrainingStopped, Verdict
+from .pipeline.engine import build_pipeline
+from .pipeline.guard import TrainingStopped, Verdict
 from .grpo.loss import LossCoefs
 from .grpo.rollouts import minibatch_shards, nonzero_advantage_tokens, response_lengths, shard_slices
 from .model.weights import export_pipeline
 from .rollout_side import RolloutSide
 from .step_log import NoStepLog, StepLog
-from .weight_sync import WeightSync
+from .sync.weight_sync import WeightSync
 
 
 class Trainer:

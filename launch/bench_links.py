@@ -40,17 +40,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # ---- the ranks ---------------------------------------------------------------------------------------
 def worker(a) -> None:
     """One pipeline rank inside its namespace: all phases, with a handshake before each. Each step is
-    the trainer's pair of pipeline passes (passes.py): the reference policy's log-probs and the update."""
+    the trainer's pair of pipeline passes (pipeline/passes.py): the reference policy's log-probs and the update."""
     import contextlib
 
     import torch
     import torch.distributed as dist
 
-    from ds_twocircuit import passes
+    from ds_twocircuit.pipeline import passes
     from ds_twocircuit.config import TwoCircuitConfig
-    from ds_twocircuit.engine import build_pipeline, init_distributed
+    from ds_twocircuit.pipeline.engine import build_pipeline, init_distributed
     from ds_twocircuit.grpo.loss import LossCoefs
-    from ds_twocircuit.wire import WireCounter
+    from ds_twocircuit.pipeline.wire import WireCounter
 
     torch.set_num_threads(1)
     init_distributed()

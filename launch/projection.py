@@ -19,7 +19,7 @@ tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % 
                                                the sampler's side, off this sum)
 
     sync         ρ·2P/r                        the sampler's weights; ρ = 1 whole, the measured delta
-                                               ratio with the lossless delta sync (weight_sync.py)
+                                               ratio with the lossless delta sync (sync/weight_sync.py)
     anchor       (θ + batch + P/8) per fire / c   θ as a delta (ρ_c: ratio after c steps of movement),
                                                the replayed batch (ids, masks, sampler log-probs: 24
                                                bytes per token), sign(M) back

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
-from ds_twocircuit.checkpoint import verify_latest  # noqa: E402
+from ds_twocircuit.run.checkpoint import verify_latest  # noqa: E402
 from ds_twocircuit.config import check_resume, describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
 
 
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
 
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from ds_twocircuit.engine import init_distributed
+    from ds_twocircuit.pipeline.engine import init_distributed
     from ds_twocircuit.model.weights import base_model_dir
     from ds_twocircuit.trainer import Trainer, TrainingStopped
 

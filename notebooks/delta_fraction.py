@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from ds_twocircuit.config import TinyModelConfig  # noqa: E402
-from ds_twocircuit.delta import encode_all  # noqa: E402
+from ds_twocircuit.sync.delta import encode_all  # noqa: E402
 
 
 def build(kind: str):

@@ -84,7 +84,7 @@ def main(model_dir, split_json, ks, out_dir):
     import deepspeed
     from safetensors.torch import save_file
 
-    from ds_twocircuit.engine import init_distributed
+    from ds_twocircuit.pipeline.engine import init_distributed
     init_distributed()
     split = json.loads(split_json)
     config = load_hf_config(model_dir, "sdpa")

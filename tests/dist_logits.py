@@ -12,7 +12,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_twocircuit.engine import init_distributed
+from ds_twocircuit.pipeline.engine import init_distributed
 from ds_twocircuit.model.pipe import TwoCircuitPipe, positions_from_mask
 
 

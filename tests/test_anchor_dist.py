@@ -114,7 +114,7 @@ def test_stale_sign_moves_the_run_and_reports_bytes(eight, tmp_path):
 
 
 def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
-    """The anchor SIGKILLed at given fires (faults.py, in sync mode, so every step's held sign is
+    """The anchor SIGKILLed at given fires (run/faults.py, in sync mode, so every step's held sign is
     known): c = 4, K = 0 (fire f replays θ(f), shipped at step f, so the anchor cannot work ahead
     of the trainer), lowrank codec, each fire replaying a keyed half of its batch's prompt groups.
     The first anchor dies as it starts fire 8, and so does its first restart; the second restart

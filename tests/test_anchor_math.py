@@ -207,7 +207,7 @@ def test_states_are_kept_from_the_pin_on_and_a_fresh_run_rewinds_to_nothing(tmp_
 # ---- θ as lossless deltas in the mailbox ---------------------------------------------------
 from ds_twocircuit.anchor.forecast import replay_groups  # noqa: E402
 from ds_twocircuit.anchor.mailbox import delta_path, prune, read_theta, theta_base, write_delta  # noqa: E402
-from ds_twocircuit.delta import encode_all  # noqa: E402
+from ds_twocircuit.sync.delta import encode_all  # noqa: E402
 
 
 def _ship_chain(root, steps, keyframes, dtype=torch.bfloat16):

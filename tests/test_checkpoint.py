@@ -1,9 +1,9 @@
-"""Crash-safe checkpoints (checkpoint.py): sealed before `latest` names them, verified before resume."""
+"""Crash-safe checkpoints (run/checkpoint.py): sealed before `latest` names them, verified before resume."""
 import json
 
 import pytest
 
-from ds_twocircuit.checkpoint import CheckpointError, point_latest, seal, verify_latest
+from ds_twocircuit.run.checkpoint import CheckpointError, point_latest, seal, verify_latest
 
 
 def saved(tmp_path, tag="step4"):

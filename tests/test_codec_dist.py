@@ -4,7 +4,7 @@
 - keep-all (k = d) PRF trains bitwise like the dense pipeline;
 - PRF at 25 %: the reference and the policy see the same masks (KL exactly 0 at step 1), the wire
   carries k/d of the dense bytes per direction, counted at DeepSpeed's p2p layer;
-- the same launch carries the diagnostics (every S6 key, probe keys on probe steps) and the drift
+- the same launch carries the diagnostics (every logged key of docs/metrics.md, probe keys on probe steps) and the drift
   controller (β update, a dense step).
 (The lowrank codec runs end to end in tests/test_anchor_dist.py's fault test. A resumed PRF run with
 the controller on continues bit for bit: tests/test_faults.py's crash chain, four resumes.)
@@ -61,7 +61,7 @@ def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):
     assert all(torch.equal(a[n], b[n]) for a, b in zip(wa, wb) for n in a)
 
 
-S6 = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+LOGGED_KEYS = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
       "actor/pg_clipfrac_dual", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/kl_coef",
       "timing/gen", "timing/train", "timing/sync", "rollout_corr/kl", "rollout_corr/k3_kl",
       "rollout_corr/prob_diff_mean", "rollout_corr/pearson"] + \
@@ -85,13 +85,13 @@ def prf(tiny_model, tmp_path_factory):
 
 
 def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
-    """Also: every S6 key on every step, the probe's on probe steps only, the dense step's gap and
+    """Also: every logged key of docs/metrics.md on every step, the probe's on probe steps only, the dense step's gap and
     bytes, and the drift controller's β update from the two probe readings, used from step 4."""
     r = rows(prf)
     assert [x["step"] for x in r] == [1, 2, 3, 4]
     assert [x["train/dense_step"] for x in r] == [0.0, 0.0, 1.0, 0.0]
     for x in r:
-        assert set(S6) <= x.keys(), set(S6) - x.keys()
+        assert set(LOGGED_KEYS) <= x.keys(), set(LOGGED_KEYS) - x.keys()
         assert (set(PROBE) <= x.keys()) == (x["step"] in (1, 3)) and (PROBE[0] in x) == (x["step"] in (1, 3))
     assert all("rollout_corr/kl_slope" in x for x in r[1:])
     # the codec's gap is large from step 1; the dense pipeline's, the dense step's and the probe's are float noise

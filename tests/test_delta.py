@@ -1,10 +1,10 @@
-"""Lossless weight deltas (delta.py): bitwise round trips, the form each size picks, malformed blobs."""
+"""Lossless weight deltas (sync/delta.py): bitwise round trips, the form each size picks, malformed blobs."""
 import math
 
 import pytest
 import torch
 
-from ds_twocircuit.delta import (BITMAP, DENSE, INDICES, changed_mask, decode, decode_all, encode, encode_all,
+from ds_twocircuit.sync.delta import (BITMAP, DENSE, INDICES, changed_mask, decode, decode_all, encode, encode_all,
                                  unchanged)
 
 

@@ -1,4 +1,4 @@
-"""Faults on real launches: non-finite steps skipped on every rank (guard.py); crashes of a stage,
+"""Faults on real launches: non-finite steps skipped on every rank (pipeline/guard.py); crashes of a stage,
 of the anchor and trainer together, and during a checkpoint save, each followed by --resume."""
 import json
 import math
@@ -46,7 +46,7 @@ def test_nonfinite_steps_are_skipped_on_every_stage_and_too_many_in_a_row_stop_t
 def test_nonfinite_step_is_skipped_under_bf16_zero1_with_replicas_and_the_anchor(tiny_model, tmp_path):
     """The 1.5B recipe's precision: bf16, ZeRO-1, 2 stages x 2 data-parallel replicas, the anchor on
     (sync, every step), a warm-up LR schedule (its rates large enough to move bf16 weights). NaN in stage 0's gradient at step 2: DeepSpeed's own
-    overflow check (bf16.check_grad_overflow, which engine.py turns on) skips the step on every stage
+    overflow check (bf16.check_grad_overflow, which pipeline/engine.py turns on) skips the step on every stage
     and replica, the row names stage 0, and between the checkpoints of steps 1 and 2 nothing moved:
     every replica's weights, fp32 master partitions, AdamW moments and step counts, and the LR
     schedule's tick are bit for bit equal, while step 3 trains again."""

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from ds_twocircuit.metrics import Trend, ls_slope
+from ds_twocircuit.metrics.health import Trend, ls_slope
 
 
 def test_slope_closed_forms():

@@ -1,9 +1,9 @@
-"""The optimizer step's order (step_order.py): one pre-hook runs clip → compare → correct → compare,
+"""The optimizer step's order (pipeline/step_order.py): one pre-hook runs clip → compare → correct → compare,
 each on the gradient the one before left, and then the optimizer steps from the last one's."""
 import pytest
 import torch
 
-from ds_twocircuit.step_order import STEP_ORDER, install_step_hooks
+from ds_twocircuit.pipeline.step_order import STEP_ORDER, install_step_hooks
 
 
 def test_hooks_run_in_the_stated_order_on_each_others_gradient():

@@ -1,4 +1,4 @@
-"""The sampler's weight sync and θ to the anchor as lossless deltas (weight_sync.py, delta.py) on a
+"""The sampler's weight sync and θ to the anchor as lossless deltas (sync/weight_sync.py, sync/delta.py) on a
 real launch: the `anchored` reference run (8 ranks, bf16 HF sampler, the anchor at c = K = 2)."""
 import pytest
 import torch

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, launch, rows, weights
 from safetensors.torch import load_file
-from test_codec_dist import S6
+from test_codec_dist import LOGGED_KEYS
 
 pytestmark = pytest.mark.dist
 
@@ -36,7 +36,7 @@ def user(fx, *more):
 
 
 def test_user_model_and_data_through_eight_stages(fixtures, tmp_path):
-    """HF sampler, fp32, the tiny test recipe's batch: every S6 key and the response lengths on every
+    """HF sampler, fp32, the tiny test recipe's batch: every logged key of docs/metrics.md and the response lengths on every
     step, math-verify's rewards, the held-out evaluation; the exported directory reloads with
     `from_pretrained`, its tokenizer with the chat template.
 
@@ -60,7 +60,7 @@ def test_user_model_and_data_through_eight_stages(fixtures, tmp_path):
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2]
     for x in r:
-        assert set(S6 + LENGTHS) <= x.keys(), set(S6 + LENGTHS) - x.keys()
+        assert set(LOGGED_KEYS + LENGTHS) <= x.keys(), set(LOGGED_KEYS + LENGTHS) - x.keys()
         assert 0.0 <= x["critic/score/mean"] <= 1.0 and 1 <= x["response_length/min"] <= x["response_length/max"] <= 16
         assert abs(x["probe/rollout_corr/logp_diff_mean"]) < 1e-5        # fp32 sampler = fp32 pipeline
     print("scores:", [x["critic/score/mean"] for x in r], "pg_loss:", [x["actor/pg_loss"] for x in r],
@@ -138,7 +138,7 @@ def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2]
     for x in r:
-        assert set(S6 + LENGTHS) <= x.keys(), set(S6 + LENGTHS) - x.keys()
+        assert set(LOGGED_KEYS + LENGTHS) <= x.keys(), set(LOGGED_KEYS + LENGTHS) - x.keys()
         assert x["codec/bytes_bwd"] < 0.1 * x["codec/dense_equiv_bytes_bwd"]       # 5 % of 128 channels: 6
         assert "anchor/sign_agreement" in x
     gap = [x["probe/rollout_corr/logp_diff_mean"] for x in r]

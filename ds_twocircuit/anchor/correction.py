@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grads import GradientViews
+from ..pipeline.grads import GradientViews
 from .sign import agreement_count, corrected_gradient
 
 

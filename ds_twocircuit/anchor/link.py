@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import broadcast_tensors
-from ..delta import encode_all
+from ..pipeline.comm import broadcast_tensors
+from ..sync.delta import encode_all
 from . import mailbox as mb
 from .forecast import fires_replaying, forecast_steps, replay_groups, weights_step
 from .process import AnchorProcess

@@ -6,7 +6,7 @@ Layout under the mailbox directory (any file transport can carry it between host
     fire/step{f:08d}.json                   request: fire f, its weights step s, the forecast's older step
     theta/step{s:08d}/stage{i}.safetensors  + stage{i}.json   θ(s) of stage i, HF names, stage order: whole,
     theta/step{s:08d}/stage{i}.delta                          or as a lossless delta against the previous
-                                                              shipped step (delta.py; the manifest names it)
+                                                              shipped step (sync/delta.py; the manifest names it)
     batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
     sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
     sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
@@ -45,8 +45,8 @@ import struct
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..delta import decode_all
-from ..files import write_atomic
+from ..sync.delta import decode_all
+from ..run.files import write_atomic
 
 MAGIC = b"TCSIGN\0\0"
 VERSION = 1
@@ -267,7 +267,7 @@ def write_tensors(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor
 
 def write_delta(path: pathlib.Path, step: int, base: int, blob: bytes, shapes: dict[str, tuple],
                 dtype: torch.dtype) -> None:
-    """A θ delta (`.delta`, delta.py's blob of every tensor in `shapes`' order against θ(base)) and
+    """A θ delta (`.delta`, sync/delta.py's blob of every tensor in `shapes`' order against θ(base)) and
     its manifest, which lands last."""
     write_atomic(path, blob)
     manifest = {"step": step, "file": path.name, "sha256": _sha256(blob), "base": base,

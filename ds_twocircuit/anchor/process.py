@@ -24,7 +24,7 @@ class AnchorProcess:
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
         env["OMP_NUM_THREADS"] = "1"
-        env["DS_TWOCIRCUIT_ANCHOR_START"] = str(self.restarts)   # which start this is (faults.py)
+        env["DS_TWOCIRCUIT_ANCHOR_START"] = str(self.restarts)   # which start this is (run/faults.py)
         log = open(self.root / "anchor.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox", str(self.root),
                                       "--parent-pid", str(os.getpid())], env=env, stdout=log, stderr=subprocess.STDOUT,

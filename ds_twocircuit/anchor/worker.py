@@ -30,12 +30,12 @@ import time
 
 import torch
 
-from .. import passes
-from ..calibration import recording_cuts
+from ..pipeline import passes
+from ..pipeline.calibration import recording_cuts
 from ..codec.geometry import compressed_cuts, keep_count
 from ..codec.lowrank import refresh_basis, top_basis
-from ..engine import build_pipeline, init_distributed
-from ..faults import fault_point
+from ..pipeline.engine import build_pipeline, init_distributed
+from ..run.faults import fault_point
 from ..grpo.loss import LossCoefs
 from ..grpo.rollouts import Rollout
 from . import mailbox as mb

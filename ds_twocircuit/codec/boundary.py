@@ -39,7 +39,7 @@ from . import prf, rank_code, rotated
 from .geometry import compressed_cuts, keep_count
 from .lowrank import checked_basis
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass

@@ -107,8 +107,10 @@ def check_codec(c: CodecConfig, split: list[int], d: int) -> None:
     k = keep_count(c.keep, c.keep_ratio, d)
     if not 1 <= k <= d:
         raise ConfigError(f"codec.keep / codec.keep_ratio give k={k} channels but the model's hidden size is {d}")
-    if c.payload_dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected fp32 or bf16")
+    if c.payload_dtype not in ("float32", "bfloat16"):
+        former = {"fp32": " (fp32 is its former name: write float32)", "bf16": " (bf16 is its former name: write bfloat16)"}
+        raise ConfigError(f"codec.payload_dtype='{c.payload_dtype}': expected 'float32' or 'bfloat16'"
+                          f"{former.get(c.payload_dtype, '')}")
     if c.name == "rotated":
         fwd, bwd = c.fwd_coords or d, c.bwd_coords or d
         if not 1 <= fwd <= d or not 1 <= bwd <= fwd:

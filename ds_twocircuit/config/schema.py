@@ -131,7 +131,7 @@ class CodecConfig:
     keep_ratio: float = opt(0.05, "k = round(keep_ratio x d): 77 of 1536", lo=0)
     keep: int = opt(0, "explicit k (overrides keep_ratio when > 0)", lo=0)
     boundaries: Any = opt("all", "'all' cuts, or a list of cut layers (the decoder layer a cut follows)")
-    payload_dtype: str = opt("fp32", "fp32 | bf16 on the wire (prf, lowrank)")
+    payload_dtype: str = opt("float32", "float32 | bfloat16 on the wire (prf, lowrank)")
     fwd_coords: int = opt(0, "rotated: rotated coordinates sent forward (0: all d)", lo=0)
     fwd_bits: int = opt(4, "rotated: bits per forward coordinate", lo=1)
     bwd_coords: int = opt(0, "rotated: coordinates of the gradient sent back, within the forward's (0: all d)", lo=0)

@@ -8,13 +8,13 @@ vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
                   logprobs_mode="processed_logprobs": the log-prob of each sampled token under the
                   distribution actually sampled, softmax(logits / τ) (what π_old must be)
     load_weights  the trainer's dense weights, cast to the engine's dtype, as one safetensors blob
-                  through `collective_rpc` to a worker extension (WeightSync), which loads them in
+                  through `collective_rpc` to a worker extension (WorkerWeightLoader), which loads them in
                   place; then the prefix cache is reset (stale cached prefixes of prompts longer
                   than one KV block gave log-prob errors of 6.4 nats). A tied model is sent
                   `lm_head.weight` too: vLLM keeps its own copy of the head. Every tensor goes
                   whenever any changed: vLLM reloads layer by layer and processes a layer that got
                   only some of its tensors (q without k and v) with the rest missing. Only the
-                  stages' deltas cross the network (weight_sync.py); this handoff is on one host
+                  stages' deltas cross the network (sync/weight_sync.py); this handoff is on one host
 
 Prompts are tokenized here (the trainer's tokenizer, no special tokens added) and passed as token
 ids, so both backends see the same ids. The Generation it returns has the HF backend's layout:
@@ -32,7 +32,7 @@ from . import Generation
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class WeightSync:
+class WorkerWeightLoader:
     """vLLM worker extension (`LLM(worker_extension_cls=...)`): methods run inside vLLM's worker."""
 
     def load_safetensors(self, blob: bytes) -> int:
@@ -72,7 +72,7 @@ class VLLMSampler:
         max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
         self.llm = LLM(model=model_dir, dtype=cfg.dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=cpu or cfg.enforce_eager, logprobs_mode="processed_logprobs",
-                       worker_extension_cls=f"{__name__}.WeightSync", **kwargs)
+                       worker_extension_cls=f"{__name__}.WorkerWeightLoader", **kwargs)
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return dict(self.shapes)

@@ -9,7 +9,7 @@ metric has a name part that starts with "_".
 
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
     mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean, logp_diff_mean} sums and the moments behind the Pearson
-                (metrics.py); with prefix probe/ for the codec-off probe
+                (health.py); with prefix probe/ for the codec-off probe
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
     wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train, _fwd32, _bwd32 /stage{s}: p2p
@@ -26,8 +26,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .grpo.advantages import zero_advantage_groups
-from .metrics import finish_mismatch
+from ..grpo.advantages import zero_advantage_groups
+from .health import finish_mismatch
 
 LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
           "actor/pg_clipfrac_dual", "actor/entropy"]

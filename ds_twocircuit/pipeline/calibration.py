@@ -12,10 +12,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .codec.geometry import cut_layers
-from .codec.lowrank import top_basis
-from .grpo.rollouts import Rollout
-from .model.pipe import Decoder
+from ..codec.geometry import cut_layers
+from ..codec.lowrank import top_basis
+from ..grpo.rollouts import Rollout
+from ..model.pipe import Decoder
 from .passes import logprobs
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import deepspeed
 
 from .clip import TrueNormClip
-from .codec.boundary import Codec, build_codec
-from .config.deepspeed_keys import engine_config
-from .model.pipe import TwoCircuitPipe, load_hf_config
+from ..codec.boundary import Codec, build_codec
+from ..config.deepspeed_keys import engine_config
+from ..model.pipe import TwoCircuitPipe, load_hf_config
 from .passes import LastStage
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 class TrueNormClip:
     def __init__(self, engine, pipe, max_norm: float, active: bool):
-        from .model.pipe import Embed
+        from ..model.pipe import Embed
         self.engine, self.max_norm, self.active, self.last_norm = engine, max_norm, active, float("nan")
         dup = {id(p) for m in pipe.modules() if isinstance(m, Embed) and pipe.stage_id != 0 for p in m.parameters()}
         self.params = [p for p in pipe.parameters() if p.requires_grad and id(p) not in dup]

@@ -20,7 +20,7 @@ import json
 import os
 import pathlib
 
-from .config.schema import ConfigError
+from ..config.schema import ConfigError
 from .faults import fault_point
 from .files import write_atomic
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import shared_prompts
-from .grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
-from .grpo.rollouts import Rollout
+from ..codec import shared_prompts
+from ..grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from ..grpo.rollouts import Rollout
 
 
 class LastStage:

@@ -3,7 +3,7 @@
     broadcast_tensors     a list of tensors of any shapes and dtypes from one rank to all
 
 It does not go through DeepSpeed's p2p layer, so it is not counted as boundary traffic. The
-sampler's weight sync, which also travels outside it, is weight_sync.py.
+sampler's weight sync, which also travels outside it, is sync/weight_sync.py.
 """
 import torch
 import torch.distributed as dist
