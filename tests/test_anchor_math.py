@@ -84,51 +84,60 @@ def test_forecast_secant():
 
 
 # ---- the mailbox's files ------------------------------------------------------------------
-from ds_twocircuit.anchor.mailbox import (HEADER_BYTES, MailboxError, batch_path, pending_requests,  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from ds_twocircuit.anchor.mailbox import (MailboxError, batch_path, metadata, pending_requests,  # noqa: E402
                                           published_fires, read_pin, read_sign, read_state, read_tensors, rewind,
-                                          sign_dir, state_path, steps_in, theta_path, write_pin, write_request,
+                                          sign_path, state_path, steps_in, theta_path, write_pin, write_request,
                                           write_sign, write_state, write_tensors)
 
 SHAPES = {"a.weight": (3, 5), "b.bias": (7,)}
 
 
 def test_tensor_round_trip_and_rejections(tmp_path):
-    t = {"a.weight": torch.randn(3, 5), "b.bias": torch.randn(7)}
+    t = {"b.bias": torch.randn(7), "a.weight": torch.randn(3, 5)}      # not sorted: the written order is kept
     p = tmp_path / "theta" / "stage0.safetensors"
     write_tensors(p, 20, t)
-    got = read_tensors(p, 20, SHAPES)
-    assert all(torch.equal(got[n], t[n]) for n in t)
+    got = read_tensors(p, 20, {"b.bias": (7,), "a.weight": (3, 5)})
+    assert list(got) == list(t) and all(torch.equal(got[n], t[n]) for n in t)
+    assert metadata(p)["format"] == "ds_twocircuit.mailbox" and list(p.parent.iterdir()) == [p]   # one file
     with pytest.raises(MailboxError, match="step 20, expected 40"):
         read_tensors(p, 40)
     with pytest.raises(MailboxError, match="differ"):
         read_tensors(p, 20, {"a.weight": (3, 5)})
     data = p.read_bytes()
     p.write_bytes(data[:-3])
+    with pytest.raises(MailboxError, match="corrupt or truncated"):
+        read_tensors(p, 20)
+    p.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(MailboxError, match="sha256"):
         read_tensors(p, 20)
-    p.with_suffix(".json").write_text("{not json")
-    with pytest.raises(MailboxError, match="corrupt manifest"):
+    p.write_bytes(b"{not safetensors")
+    with pytest.raises(MailboxError, match="corrupt or truncated"):
+        read_tensors(p, 20)
+    save_file({"w": torch.zeros(2)}, str(p))                       # safetensors, but not ours
+    with pytest.raises(MailboxError, match="not a mailbox file"):
         read_tensors(p, 20)
     with pytest.raises(MailboxError, match="missing"):
         read_tensors(tmp_path / "nope.safetensors", 20)
     assert not list(p.parent.glob(".*tmp*"))
 
 
-def test_state_survives_a_kill_between_its_two_renames(tmp_path):
-    """The anchor killed while saving fire 8's state (the tensor file renamed into place, its
-    manifest not yet): a restart must resume from fire 4's state, not crash on the torn one (a
-    crash here is a crash on every restart: the CI failure of 2026-12-01). Only 2 states are kept."""
+def test_a_state_that_does_not_check_out_falls_back_to_the_previous_fire(tmp_path):
+    """The anchor's state of fire 8 truncated (a copy cut short, a disk that lost the write): a
+    restart must resume from fire 4's state, not crash on the bad one (a crash here is a crash on
+    every restart: the CI failure of 2026-12-01). Only 2 states are kept."""
     m = {f: {"M.a": torch.full((3,), float(f))} for f in (0, 4, 8)}
     write_state(tmp_path, 0, m[0])
     write_state(tmp_path, 4, m[4])
     write_state(tmp_path, 8, m[8])
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
-        f"step{f:08d}.{x}" for f in (4, 8) for x in ("json", "safetensors")]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [f"step{f:08d}.safetensors" for f in (4, 8)]
     fire, got, rejected = read_state(tmp_path)
     assert fire == 8 and torch.equal(got["M.a"], m[8]["M.a"]) and rejected == []
-    state_path(tmp_path, 8).with_suffix(".json").unlink()          # the torn write
+    path = state_path(tmp_path, 8)
+    path.write_bytes(path.read_bytes()[:-4])
     fire, got, rejected = read_state(tmp_path)
-    assert fire == 4 and torch.equal(got["M.a"], m[4]["M.a"]) and "missing" in rejected[0]
+    assert fire == 4 and torch.equal(got["M.a"], m[4]["M.a"]) and "truncated" in rejected[0]
     state_path(tmp_path, 4).write_bytes(b"garbage")                # and the older one corrupt too
     assert read_state(tmp_path)[0] == -1
 
@@ -136,9 +145,9 @@ def test_state_survives_a_kill_between_its_two_renames(tmp_path):
 def test_sign_file_size_and_rejections(tmp_path):
     numel = sum(math.prod(s) for s in SHAPES.values())
     bits = pack_signs(torch.randn(numel))
-    p = tmp_path / "stage1.sign"
+    p = tmp_path / "stage1.safetensors"
     write_sign(p, 40, 1, SHAPES, bits, numel)
-    assert p.stat().st_size == HEADER_BYTES + math.ceil(numel / 8) and HEADER_BYTES == 96
+    assert 0 < p.stat().st_size - math.ceil(numel / 8) < 1024      # the bits and a header under 1 KiB
     assert read_sign(p, 1, SHAPES) == (40, bits, numel)
     with pytest.raises(MailboxError, match="stale"):
         read_sign(p, 1, SHAPES, newer_than=40)
@@ -148,15 +157,18 @@ def test_sign_file_size_and_rejections(tmp_path):
         read_sign(p, 1, {"a.weight": (5, 3), "b.bias": (7,)})
     raw = p.read_bytes()
     p.write_bytes(raw[:-1])
-    with pytest.raises(MailboxError, match="truncated payload"):
+    with pytest.raises(MailboxError, match="corrupt or truncated"):
         read_sign(p, 1, SHAPES)
     p.write_bytes(raw[:50])
-    with pytest.raises(MailboxError, match="truncated sign file"):
+    with pytest.raises(MailboxError, match="corrupt or truncated"):
         read_sign(p, 1, SHAPES)
     p.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
-    with pytest.raises(MailboxError, match="checksum"):
+    with pytest.raises(MailboxError, match="sha256"):
         read_sign(p, 1, SHAPES)
-    p.write_bytes(b"X" * len(raw))
+    write_sign(p, 40, 1, SHAPES, bits[:-1], numel)                 # a payload short of P bits
+    with pytest.raises(MailboxError, match="truncated payload"):
+        read_sign(p, 1, SHAPES)
+    write_tensors(p, 40, {"bits": torch.zeros(2, dtype=torch.uint8)})
     with pytest.raises(MailboxError, match="not a sign file"):
         read_sign(p, 1, SHAPES)
 
@@ -170,7 +182,7 @@ def _mailbox(root, fires=(0, 2, 4, 6), K=2):
                              "staleness": K, "kl_coef": 0.0})
         write_tensors(theta_path(root, s, 0), s, {"w": torch.full((4,), float(s))})
         write_tensors(batch_path(root, s), s, {"ids_NT": torch.zeros(1, 2)})
-        write_sign(sign_dir(root, f) / "stage0.sign", f, 0, shapes, pack_signs(torch.randn(4)), 4)
+        write_sign(sign_path(root, f, 0), f, 0, shapes, pack_signs(torch.randn(4)), 4)
         write_state(root, f, {"w": torch.full((4,), float(f))})
 
 
@@ -239,7 +251,7 @@ def test_theta_deltas_rebuild_bitwise_through_their_chain(tmp_path):
     delta_path(tmp_path, 2, 0).write_bytes(b"gone")                # would fail if read
     held = {2: shipped[2]}
     assert torch.equal(read_theta(tmp_path, 4, 0, SHAPES, held)["b.bias"], shipped[4]["b.bias"])
-    with pytest.raises(MailboxError, match="sha256"):
+    with pytest.raises(MailboxError, match="corrupt or truncated"):
         read_theta(tmp_path, 4, 0, SHAPES)
     with pytest.raises(MailboxError, match="differ"):
         read_theta(tmp_path, 8, 0, {"a.weight": (3, 5)})

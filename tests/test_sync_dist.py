@@ -34,7 +34,7 @@ def test_the_sampler_holds_the_trainer_weights_rounded_bitwise(anchored):
     ups = [x["anchor/bytes_up"] for x in r if x["anchor/bytes_up"] > 0]   # ships at t = 0, 2, ..., 8
     assert len(ups) == 5 and all(u < ups[0] for u in ups[1:]), ups
     mailbox = anchored / "anchor"
-    assert list((mailbox / "theta").rglob("*.delta")) and steps_in(mailbox / "theta")
+    assert list((mailbox / "theta").rglob("*.delta.safetensors")) and steps_in(mailbox / "theta")
 
 
 def test_a_bf16_sampler_beside_an_fp32_trainer_shows_its_gap(anchored, eight):

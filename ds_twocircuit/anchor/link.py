@@ -242,7 +242,7 @@ class AnchorLink:
         out, read = {}, 0
         for s, names in enumerate(self.pipe.hf_names_per_stage()):
             shapes = {n: tuple(self.shapes[n][0]) for n in names}
-            path = mb.sign_dir(self.root, f) / f"stage{s}.sign"
+            path = mb.sign_path(self.root, f, s)
             _, bits, numel = mb.read_sign(path, s, shapes, newer_than=self.held)
             read += path.stat().st_size
             out.update(zip(shapes, unpack_bits(bits, numel).split([math.prod(shp) for shp in shapes.values()])))

@@ -3,18 +3,18 @@
 Layout under the mailbox directory (any file transport can carry it between hosts):
 
     config.json                             the trainer's config (the anchor's loss, model, β_M)
-    fire/step{f:08d}.json                   request: fire f, its weights step s, the forecast's older step
-    theta/step{s:08d}/stage{i}.safetensors  + stage{i}.json   θ(s) of stage i, HF names, stage order: whole,
-    theta/step{s:08d}/stage{i}.delta                          or as a lossless delta against the previous
-                                                              shipped step (sync/delta.py; the manifest names it)
-    batch/step{s:08d}.safetensors           + .json           the rollout batch θ(s) generated
-    sign/step{f:08d}/stage{i}.sign                            sign(M) bits of stage i, with header
-    sign/step{f:08d}/bases.safetensors      + .json           lowrank bases refreshed at fire f
-    state/step{f:08d}.safetensors           + .json           the anchor's M (and bases) after fire f: the
-                                                              last 2 and every one from the pinned fire on
-    pin.json                                                  the fire and step of the trainer's newest checkpoint
-    rewind.json                                               written by a resumed trainer: a running anchor reloads
-    STOP                                                      the trainer is done: the anchor exits
+    fire/step{f:08d}.json                    request: fire f, its weights step s, the forecast's older step
+    theta/step{s:08d}/stage{i}.safetensors        θ(s) of stage i, HF names, stage order: whole,
+    theta/step{s:08d}/stage{i}.delta.safetensors  or as a lossless delta against the previous shipped
+                                                  step (sync/delta.py; its metadata names that step)
+    batch/step{s:08d}.safetensors                 the rollout batch θ(s) generated
+    sign/step{f:08d}/stage{i}.safetensors         sign(M) bits of stage i
+    sign/step{f:08d}/bases.safetensors            lowrank bases refreshed at fire f
+    state/step{f:08d}.safetensors                 the anchor's M (and bases) after fire f: the last 2
+                                                  and every one from the pinned fire on
+    pin.json                                      the fire and step of the trainer's newest checkpoint
+    rewind.json                                   written by a resumed trainer: a running anchor reloads
+    STOP                                          the trainer is done: the anchor exits
 
 Crash consistency: a trainer checkpoint after step s records the fire h whose sign it held (pin.json
 says the same to the anchor, which keeps its state of fire h and every later one). `rewind(h, s)`
@@ -29,10 +29,17 @@ since the previous shipped step, θ(base); a reader rebuilds it through that cha
 the deltas since the last one add up to KEYFRAME_CHAIN keyframes, which bounds what a restarted
 anchor reads; `prune` keeps every θ that a kept step's chain reaches back to.
 
-A tensor file's manifest (JSON) holds step, sha256 of the file and every tensor's shape; a reader
-checks all three and raises `MailboxError` naming the file. A sign file is a fixed 96-byte header
-(magic, version, step, stage, parameter count, sha256 of the stage's (name, shape) layout, sha256
-of the payload) followed by ⌈P/8⌉ bytes of bits (see sign.py). Every file is written under a
+One file format: safetensors, whose metadata (strings) says what the file is. Every file holds
+
+    format, version      "ds_twocircuit.mailbox", "2"
+    step                 the step (or fire) it was written for
+    tensors              JSON {name: shape} in the order written (safetensors keeps no order)
+    sha256               of the names and bytes of its tensors in that order
+
+and a sign file also `stage`, `numel` (P) and `layout` (sha256 of the stage's (name, shape) list),
+its one tensor `bits` the ⌈P/8⌉ packed bytes (see sign.py); a θ delta also `base`, `dtype` and
+`shapes` (θ's names and shapes, in the stage's order), its one tensor `blob` (sync/delta.py). A
+reader checks all of it and raises `MailboxError` naming the file. Every file is written under a
 temporary name and renamed into place, so a reader never sees half a file.
 """
 import hashlib
@@ -43,15 +50,12 @@ import shutil
 import struct
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 
 from ..sync.delta import decode_all
 from ..run.files import write_atomic
 
-MAGIC = b"TCSIGN\0\0"
-VERSION = 1
-_HEADER = struct.Struct("<8sIqiq32s32s")   # 96 bytes
-HEADER_BYTES = _HEADER.size
+FORMAT, VERSION = "ds_twocircuit.mailbox", "2"
 KEYFRAME_CHAIN = 4     # a θ keyframe again once the deltas since the last one hold this many keyframes' bytes
 
 
@@ -75,7 +79,7 @@ def theta_path(root: pathlib.Path, step: int, stage: int) -> pathlib.Path:
 
 
 def delta_path(root: pathlib.Path, step: int, stage: int) -> pathlib.Path:
-    return theta_path(root, step, stage).with_suffix(".delta")
+    return theta_path(root, step, stage).with_name(f"stage{stage}.delta.safetensors")
 
 
 def batch_path(root: pathlib.Path, step: int) -> pathlib.Path:
@@ -84,6 +88,10 @@ def batch_path(root: pathlib.Path, step: int) -> pathlib.Path:
 
 def sign_dir(root: pathlib.Path, fire: int) -> pathlib.Path:
     return root / "sign" / f"step{fire:08d}"
+
+
+def sign_path(root: pathlib.Path, fire: int, stage: int) -> pathlib.Path:
+    return sign_dir(root, fire) / f"stage{stage}.safetensors"
 
 
 def state_path(root: pathlib.Path, fire: int) -> pathlib.Path:
@@ -118,10 +126,10 @@ def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
 
 
 def theta_base(root: pathlib.Path, step: int) -> int | None:
-    """The step θ(step) is a delta against; None for a keyframe (or an unreadable manifest)."""
+    """The step θ(step) is a delta against; None for a keyframe (or an unreadable delta)."""
     try:
-        return json.loads(theta_path(root, step, 0).with_suffix(".json").read_text()).get("base")
-    except (OSError, json.JSONDecodeError):
+        return int(metadata(delta_path(root, step, 0))["base"])
+    except (MailboxError, KeyError, ValueError):
         return None
 
 
@@ -147,15 +155,13 @@ def _remove_inputs(root: pathlib.Path, step: int) -> None:
 
 
 def _remove_batch(root: pathlib.Path, step: int) -> None:
-    for suffix in (".safetensors", ".json"):
-        batch_path(root, step).with_suffix(suffix).unlink(missing_ok=True)
+    batch_path(root, step).unlink(missing_ok=True)
 
 
 def write_state(root: pathlib.Path, fire: int, tensors: dict[str, torch.Tensor], keep: int = 2) -> None:
     """The anchor's state after fire f, in a file of its own; the `keep` newest and those of the
-    pinned fire on are kept (a resume may rewind to them). A process killed between the tensor
-    file's and its manifest's rename leaves a file that does not check out, and the previous fire's
-    state is still there to fall back to (read_state)."""
+    pinned fire on are kept (a resume may rewind to them). A state that does not check out (a disk
+    that lost the rename, a truncated copy) leaves the previous fire's to fall back to (read_state)."""
     write_tensors(state_path(root, fire), fire, tensors)
     pinned = read_pin(root)["fire"]
     for f in steps_in(root / "state", ".safetensors")[:-keep]:
@@ -164,8 +170,7 @@ def write_state(root: pathlib.Path, fire: int, tensors: dict[str, torch.Tensor],
 
 
 def _remove_state(root: pathlib.Path, fire: int) -> None:
-    for suffix in (".safetensors", ".json"):
-        state_path(root, fire).with_suffix(suffix).unlink(missing_ok=True)
+    state_path(root, fire).unlink(missing_ok=True)
 
 
 def write_pin(root: pathlib.Path, fire: int, step: int) -> None:
@@ -244,35 +249,92 @@ def pending_requests(root: pathlib.Path, after: int) -> list[dict]:
     return out
 
 
-def manifest_shapes(path: pathlib.Path) -> dict[str, tuple]:
-    """The tensor names of a shipped file in the order they were written, with their shapes."""
+def theta_shapes(root: pathlib.Path, step: int, stage: int) -> dict[str, tuple]:
+    """θ(step)'s tensor names of one stage in the stage's order, with their shapes: from its delta's
+    metadata, or its keyframe's."""
+    d = delta_path(root, step, stage)
+    path, key = (d, "shapes") if d.is_file() else (theta_path(root, step, stage), "tensors")
     try:
-        return {n: tuple(s) for n, s in json.loads(path.with_suffix(".json").read_text())["shapes"].items()}
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise MailboxError(f"{path}: unreadable manifest ({e})") from None
+        return {n: tuple(v) for n, v in json.loads(metadata(path)[key]).items()}
+    except (KeyError, ValueError) as e:
+        raise MailboxError(f"{path}: unreadable metadata ({e})") from None
+
+
+# ---- the one file format -------------------------------------------------------------------
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for n, t in tensors.items():
+        h.update(n.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def write_file(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor], **meta) -> None:
+    """`tensors` and the metadata of the module docstring (with `meta`) as one safetensors file, written atomically."""
+    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    head = {"format": FORMAT, "version": VERSION, "step": str(step), "sha256": _digest(tensors),
+            "tensors": json.dumps({n: list(t.shape) for n, t in tensors.items()})}
+    write_atomic(path, save(tensors, metadata={**head, **{k: str(v) for k, v in meta.items()}}))
+
+
+def metadata(path: pathlib.Path) -> dict[str, str]:
+    """A mailbox file's metadata, from its header alone (not its tensors: nothing is checked beyond the format)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"a header of {n} bytes")
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except FileNotFoundError:
+        raise MailboxError(f"{path}: missing") from None
+    except (OSError, struct.error, ValueError, AttributeError) as e:
+        raise MailboxError(f"{path}: corrupt or truncated file ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise MailboxError(f"{path}: not a mailbox file of version {VERSION}")
+    return meta
+
+
+def read_file(path: pathlib.Path, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """→ (the tensors in the order written, the metadata), after checking the format, `step` (when
+    given), the tensors' names and shapes and their sha256."""
+    meta = metadata(path)
+    if step is not None and meta.get("step") != str(step):
+        raise MailboxError(f"{path}: written for step {meta.get('step')}, expected {step}")
+    try:
+        got = load(path.read_bytes())
+        shapes = json.loads(meta["tensors"])
+        tensors = {n: got[n] for n in shapes}
+    except Exception as e:   # safetensors' own error type is not importable across its versions
+        raise MailboxError(f"{path}: corrupt or truncated file ({e})") from None
+    if set(got) != set(shapes) or any(list(t.shape) != shapes[n] for n, t in tensors.items()):
+        raise MailboxError(f"{path}: tensors do not match its metadata's shapes")
+    if _digest(tensors) != meta.get("sha256"):
+        raise MailboxError(f"{path}: sha256 mismatch (corrupt file)")
+    return tensors, meta
 
 
 # ---- tensors (θ and rollout batches) -------------------------------------------------------
 def write_tensors(path: pathlib.Path, step: int, tensors: dict[str, torch.Tensor]) -> None:
-    """`path` (.safetensors) and its manifest `path.json`; the manifest lands last."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(tmp))
-    data = tmp.read_bytes()
-    os.replace(tmp, path)
-    manifest = {"step": step, "file": path.name, "sha256": _sha256(data),
-                "shapes": {n: list(t.shape) for n, t in tensors.items()}}
-    write_atomic(path.with_suffix(".json"), json.dumps(manifest).encode())
+    write_file(path, step, tensors)
+
+
+def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of `path`, checked (read_file), and against this stage's `shapes` when given."""
+    tensors, _ = read_file(path, step)
+    if shapes is not None and {n: tuple(t.shape) for n, t in tensors.items()} != {n: tuple(v) for n, v in shapes.items()}:
+        raise MailboxError(f"{path}: tensor names/shapes differ from this stage's parameters")
+    return tensors
 
 
 def write_delta(path: pathlib.Path, step: int, base: int, blob: bytes, shapes: dict[str, tuple],
                 dtype: torch.dtype) -> None:
-    """A θ delta (`.delta`, sync/delta.py's blob of every tensor in `shapes`' order against θ(base)) and
-    its manifest, which lands last."""
-    write_atomic(path, blob)
-    manifest = {"step": step, "file": path.name, "sha256": _sha256(blob), "base": base,
-                "dtype": str(dtype).removeprefix("torch."), "shapes": {n: list(s) for n, s in shapes.items()}}
-    write_atomic(path.with_suffix(".json"), json.dumps(manifest).encode())
+    """A θ delta: sync/delta.py's blob of every tensor in `shapes`' order against θ(base)."""
+    write_file(path, step, {"blob": _bytes_tensor(blob)}, base=base,
+               dtype=str(dtype).removeprefix("torch."), shapes=json.dumps({n: list(v) for n, v in shapes.items()}))
 
 
 def read_theta(root: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple] | None = None,
@@ -280,84 +342,44 @@ def read_theta(root: pathlib.Path, step: int, stage: int, shapes: dict[str, tupl
     """θ(step) of one stage, rebuilt through its delta chain from the nearest keyframe or from a
     step in `known` (step → this stage's tensors, held by the reader)."""
     known, chain = known or {}, []
-    while step not in known:
-        path = delta_path(root, step, stage)
-        manifest = _manifest(path, step) if path.is_file() else None
-        if manifest is None or manifest.get("base") is None:
-            break
-        chain.append((step, manifest))
-        step = manifest["base"]
+    while step not in known and delta_path(root, step, stage).is_file():
+        blob, meta = read_file(delta_path(root, step, stage), step)
+        chain.append((step, blob["blob"], meta))
+        step = int(meta["base"])
     cur = known[step] if step in known else read_tensors(theta_path(root, step, stage), step, shapes)
-    for s, manifest in reversed(chain):
-        path = delta_path(root, s, stage)
-        names = list(manifest["shapes"])
-        if set(names) != set(cur):
-            raise MailboxError(f"{path}: its tensors differ from θ({manifest['base']})'s")
+    for s, blob, meta in reversed(chain):
+        path, theta = delta_path(root, s, stage), json.loads(meta["shapes"])
+        if set(theta) != set(cur):
+            raise MailboxError(f"{path}: its tensors differ from θ({meta['base']})'s")
         try:
-            news = decode_all([cur[n] for n in names], _checked_bytes(path, manifest),
-                              [tuple(manifest["shapes"][n]) for n in names], getattr(torch, manifest["dtype"]))
+            news = decode_all([cur[n] for n in theta], blob.numpy().tobytes(), [tuple(theta[n]) for n in theta],
+                              getattr(torch, meta["dtype"]))
         except (ValueError, AttributeError) as e:
             raise MailboxError(f"{path}: malformed delta ({e})") from None
-        cur = dict(zip(names, news))
-    if shapes is not None and {n: tuple(t.shape) for n, t in cur.items()} != {n: tuple(s) for n, s in shapes.items()}:
+        cur = dict(zip(theta, news))
+    if shapes is not None and {n: tuple(t.shape) for n, t in cur.items()} != {n: tuple(v) for n, v in shapes.items()}:
         raise MailboxError(f"{theta_path(root, step, stage)}: tensor names/shapes differ from this stage's parameters")
     return cur
 
 
-def _manifest(path: pathlib.Path, step: int) -> dict:
-    man_path = path.with_suffix(".json")
-    if not man_path.is_file() or not path.is_file():
-        raise MailboxError(f"{path}: missing (or its manifest is)")
-    try:
-        manifest = json.loads(man_path.read_text())
-    except json.JSONDecodeError as e:
-        raise MailboxError(f"{man_path}: corrupt manifest ({e})") from None
-    if manifest.get("step") != step:
-        raise MailboxError(f"{path}: manifest says step {manifest.get('step')}, expected {step}")
-    return manifest
-
-
-def _checked_bytes(path: pathlib.Path, manifest: dict) -> bytes:
-    data = path.read_bytes()
-    if _sha256(data) != manifest.get("sha256"):
-        raise MailboxError(f"{path}: sha256 mismatch (corrupt or truncated file)")
-    return data
-
-
-def read_tensors(path: pathlib.Path, step: int, shapes: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
-    manifest = _manifest(path, step)
-    _checked_bytes(path, manifest)
-    tensors = load_file(str(path))
-    got = {n: list(t.shape) for n, t in tensors.items()}
-    if got != manifest["shapes"]:
-        raise MailboxError(f"{path}: tensors do not match the manifest's shapes")
-    if shapes is not None and got != {n: list(s) for n, s in shapes.items()}:
-        raise MailboxError(f"{path}: tensor names/shapes differ from this stage's parameters")
-    return tensors
-
-
 # ---- sign(M) -----------------------------------------------------------------------------
 def write_sign(path: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple], bits: bytes, numel: int) -> None:
-    header = _HEADER.pack(MAGIC, VERSION, step, stage, numel, layout_digest(shapes), hashlib.sha256(bits).digest())
-    write_atomic(path, header + bits)
+    write_file(path, step, {"bits": _bytes_tensor(bits)}, stage=stage, numel=numel,
+               layout=layout_digest(shapes).hex())
 
 
 def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple], newer_than: int = -1) -> tuple[int, bytes, int]:
-    """→ (step, bits, numel). Rejects bad magic/version, truncation, checksum, a stale step
+    """→ (step, bits, numel). Rejects another format or version, truncation, checksum, a stale step
     (≤ newer_than) and a layout (names, shapes) other than this stage's."""
-    data = path.read_bytes() if path.is_file() else b""
-    if len(data) < HEADER_BYTES:
-        raise MailboxError(f"{path}: truncated sign file ({len(data)} bytes, header needs {HEADER_BYTES})")
-    magic, version, step, st, numel, layout, digest = _HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
-        raise MailboxError(f"{path}: not a sign file of version {VERSION}")
-    bits = data[HEADER_BYTES:]
-    if len(bits) != (numel + 7) // 8:
-        raise MailboxError(f"{path}: truncated payload ({len(bits)} of {(numel + 7) // 8} bytes)")
-    if hashlib.sha256(bits).digest() != digest:
-        raise MailboxError(f"{path}: payload checksum mismatch")
-    if st != stage or layout != layout_digest(shapes):
+    tensors, meta = read_file(path)
+    try:
+        step, st, numel, bits = int(meta["step"]), int(meta["stage"]), int(meta["numel"]), tensors["bits"]
+    except (KeyError, ValueError) as e:
+        raise MailboxError(f"{path}: not a sign file ({e})") from None
+    if bits.numel() != (numel + 7) // 8:
+        raise MailboxError(f"{path}: truncated payload ({bits.numel()} of {(numel + 7) // 8} bytes)")
+    if st != stage or meta.get("layout") != layout_digest(shapes).hex():
         raise MailboxError(f"{path}: written for stage {st} with another parameter layout; this is stage {stage}")
     if step <= newer_than:
         raise MailboxError(f"{path}: stale sign of step {step} (already hold step {newer_than})")
-    return step, bits, numel
+    return step, bits.numpy().tobytes(), numel

@@ -87,7 +87,7 @@ class AnchorWorker:
         try:
             if req is None:
                 raise mb.MailboxError(f"no request for fire {fire}")
-            self._publish(fire, [mb.manifest_shapes(mb.theta_path(self.root, req["weights_step"], i))
+            self._publish(fire, [mb.theta_shapes(self.root, req["weights_step"], i)
                                  for i in range(req["stages"])])
             log(f"published fire {fire} again (its state was saved, its sign was not)")
         except mb.MailboxError as e:
@@ -133,7 +133,7 @@ class AnchorWorker:
         t0 = time.perf_counter()
         f, s = req["fire"], req["weights_step"]
         fault_point("fire", f, who=f"anchor{os.environ.get('DS_TWOCIRCUIT_ANCHOR_START', '0')}")
-        layouts = [mb.manifest_shapes(mb.theta_path(self.root, s, i)) for i in range(req["stages"])]
+        layouts = [mb.theta_shapes(self.root, s, i) for i in range(req["stages"])]
         theta = self._read_theta(s, layouts)
         if req.get("older_step") is not None:
             theta = forecast(theta, self._read_theta(req["older_step"], layouts), req["staleness"], req["every"])
@@ -188,7 +188,7 @@ class AnchorWorker:
         shutil.rmtree(tmp, ignore_errors=True)
         for i, shapes in enumerate(layouts):
             flat = torch.cat([self.M[n].reshape(-1) for n in shapes])
-            mb.write_sign(tmp / f"stage{i}.sign", fire, i, shapes, pack_signs(flat), flat.numel())
+            mb.write_sign(tmp / mb.sign_path(self.root, fire, i).name, fire, i, shapes, pack_signs(flat), flat.numel())
         if self.bases:
             mb.write_tensors(tmp / "bases.safetensors", fire, {f"cut{l}": q for l, q in self.bases.items()})
         shutil.rmtree(final, ignore_errors=True)
