@@ -1,7 +1,7 @@
 """The identical-numbers check: the same seeded runs at two commits, diffed bit for bit.
 
     python notebooks/same_numbers.py BEFORE AFTER [--steps 20] [--probe-every 5] [--out runs/same_numbers]
-                                     [--recipes dense prf95 lowrank lowrank_drift]
+                                     [--recipes dense prf95 lowrank lowrank_drift rotated]
 
 A change that should not change numbers proves it: each commit is checked out into its own git
 worktree and runs each recipe there (`deepspeed --num_gpus 8 launch/train.py`, its own package on
