@@ -148,9 +148,9 @@ class Actor:
         partials.update(telemetry.correction_partials(counts.agreement, dots["before"], dots["after"]))
         partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,
                                                     counted=p.dp_rank == 0))
-        e, tr, w = counts.evals, counts.train(), counts.wire
+        w, whole, tr = counts.wire, counts.payload, counts.train()
         partials.update(telemetry.per_stage(telemetry.WIRE, p.stage, p.num_stages, "codec", [
-            w.fwd, w.bwd, e.payload + tr.payload, e.dense + tr.dense, tr.grad, tr.dense, w.fwd_fp32, w.bwd_fp32]))
+            w.fwd, w.bwd, whole.payload, whole.dense, tr.grad, tr.dense, w.fwd_fp32, w.bwd_fp32]))
         partials.update(telemetry.per_stage(["peak_rss_mib"], p.stage, p.num_stages, "memory",
                                             [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
         return partials
