@@ -16,6 +16,10 @@ at the probe steps, the step-1 gap, held-out accuracy every 20 steps, and the sh
 seed's dense gain (against each control), and the mean train time per step (`timing/train`: the
 pipeline's passes with the codec's own encode and decode; a time from runs made one after another,
 some beside other work, so a rough ratio only).
+
+A control whose run directory is absent is read from notebooks/wide_controls.json (its recorded
+accuracies and byte counts). frontier_wide.json's runs carry their own warm start, so their
+directories have no TAG.
 """
 import json
 import pathlib
@@ -32,11 +36,19 @@ RUNS = {"dense": "dense, β = 0.001 (control)",
         "rot2": "rotated fwd 384 × 2-bit / bwd 240 × 2-bit, no anchor",
         "rot2g_q4": "fwd 2-bit Gaussian levels per 64 / bwd rank 4, β = 0, no anchor",
         "rot4_q4": "fwd 4-bit / bwd rank 4, β = 0, no anchor",
-        "frontier": "frontier_wide.json: fwd 2-bit Gaussian levels per 64 / bwd rank 2, β = 0, no anchor"}
+        "frontier": "frontier_wide.json: fwd 2-bit Gaussian levels per 64 / bwd rank 2, β = 0, no anchor",
+        "frontier3": "frontier_wide.json, fwd 3-bit Lloyd–Max levels per 64 / bwd rank 2, β = 0, no anchor"}
+OWN_WARM_START = ("frontier", "frontier3")
+RECORDED = json.loads((pathlib.Path(__file__).parent / "wide_controls.json").read_text())
+
+
+def directory(run: str) -> pathlib.Path:
+    own = run.removesuffix("_s1") in OWN_WARM_START
+    return ROOT / (run if own else run + TAG)
 
 
 def rows(run: str, name: str = "metrics.jsonl") -> list[dict]:
-    path = ROOT / (run + TAG) / name
+    path = directory(run) / name
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
 
 
@@ -48,6 +60,15 @@ def wire(r: list[dict], bf16: bool) -> float:
     """Boundary bytes per step (fp32 as sent, or the same sends in bf16)."""
     s = "_bf16" if bf16 else ""
     return mean(r, f"codec/bytes_fwd{s}") + mean(r, f"codec/bytes_bwd{s}")
+
+
+def control(run: str) -> dict:
+    """A control's held-out accuracies and boundary bytes per step: {acc, bytes_fp32, bytes_bf16}
+    from its run directory, else as recorded; {} when neither has it."""
+    r, ev = rows(run), rows(run, "eval.jsonl")
+    if ev and ev[-1]["step"] == 100:
+        return {"acc": [e["acc"] for e in ev], "bytes_fp32": wire(r, False), "bytes_bf16": wire(r, True)}
+    return RECORDED.get(run + TAG, {})
 
 
 def runs():
@@ -63,18 +84,18 @@ def main():
           "| wire / dense β = 0 skipped, bf16 |")
     print("|---" * 7 + "|")
     for run, label, r, _, seed in runs():
-        dense, dskip = rows("dense" + seed), rows("dense_b0_skip" + seed)
+        dense, dskip = control("dense" + seed), control("dense_b0_skip" + seed)
         anchor = mean(r, "anchor/bytes")
-        shares = [(wire(r, bf) + anchor) / wire(d, bf) if d else float("nan")
-                  for d, bf in ((dense, False), (dense, True), (dskip, True))]
+        shares = [(wire(r, key == "bytes_bf16") + anchor) / (d.get(key) or float("nan"))
+                  for d, key in ((dense, "bytes_fp32"), (dense, "bytes_bf16"), (dskip, "bytes_bf16"))]
         print(f"| {label} | {wire(r, False) / 1e6:.2f} | {wire(r, True) / 1e6:.2f} | {anchor / 1e6:.2f} | " +
               " | ".join(f"{s:.3f}" for s in shares) + " |")
     print("\n| run | cos(G_comp, G_dense) | gap at step 1 | held-out acc (0, 20, …, 100) | share of dense's gain "
           "| share of dense β = 0 skipped's gain | train s/step |")
     print("|---|---|---|---|---|---|---|")
     for run, label, r, ev, seed in runs():
-        gains = [(e[-1]["acc"] - e[0]["acc"]) if e and e[-1]["step"] == 100 else float("nan")
-                 for e in (rows("dense" + seed, "eval.jsonl"), rows("dense_b0_skip" + seed, "eval.jsonl"))]
+        gains = [c["acc"][-1] - c["acc"][0] if c else float("nan")
+                 for c in (control("dense" + seed), control("dense_b0_skip" + seed))]
         gain = ev[-1]["acc"] - ev[0]["acc"]
         cos = [x["grad/cos_comp_dense"] for x in r if "grad/cos_comp_dense" in x]
         print(f"| {label} | {statistics.mean(cos):.3f} | {r[0]['rollout_corr/kl']:.3g} | " +
