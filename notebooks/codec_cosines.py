@@ -20,7 +20,10 @@ top 4/16/64 singular directions, what a rank-r backward code could keep.
 Variant names: `rot{fwd bits}[t{tile}]/{bwd coords}x{bwd bits}[t{tile}]`, e.g. rot4/240x2,
 rot2t64/240x2t64 (forward coordinates are all d), or `rot{fwd bits}[t{tile}]/q{r}` with the backward's
 rank-r code (`codec.bwd_rank`); a `g` after the forward's tile: Gaussian levels (`codec.fwd_levels=gauss`),
-e.g. rot2t64g/q4; `prf{k}`; a suffix `@L` compresses cut L alone.
+e.g. rot2t64g/q4; `prf{k}`; a suffix `@L` compresses cut L alone, `@L1,L2,...` those cuts alone.
+Variants joined by `+` code disjoint sets of cuts each their own way (bits per cut), e.g.
+`rot3t64g/q2@3,24+rot2t64g/q2@7,11,15,18,21`; its bytes are the mean over the model's cuts, a cut
+no part codes counted dense (bf16).
 
 Prototypes that are not wire protocols yet, `sim:{fwd}/{bwd}` (each direction coded on its own, the
 backward straight through the forward's code):
@@ -34,6 +37,7 @@ backward straight through the forward's code):
          r·(tokens + d) values per micro-batch)
 """
 import argparse
+import contextlib
 import pathlib
 import re
 import sys
@@ -58,9 +62,11 @@ SPEC = re.compile(r"rot(?P<fb>\d+)(?:t(?P<ft>\d+))?(?P<g>g)?/(?:(?P<bm>\d+)x(?P<
 
 
 def make_codec(name: str, d: int, cuts: list[int], seed: int, micro: int = 32) -> Codec:
-    """A variant name (module docstring) → the codec on `cuts` (or on the one cut after '@')."""
+    """A variant name (module docstring) → the codec on `cuts` (or on the cuts after '@')."""
+    if "+" in name:
+        return MixCodec(d, cuts, seed, [make_codec(part, d, cuts, seed, micro) for part in name.split("+")])
     name, _, only = name.partition("@")
-    cuts = [int(only)] if only else cuts
+    cuts = [int(c) for c in only.split(",")] if only else cuts
     if name.startswith("sim:"):
         fwd, bwd = name[4:].split("/")
         return SimCodec(d, cuts, seed, fwd, bwd, micro)
@@ -153,8 +159,41 @@ class SimCodec(Codec):
         return float(rotated.Budget(d, int(m.group(1) or d), int(m.group(2)), int(m.group(3) or 0)).bytes_per_token)
 
 
+class MixCodec(Codec):
+    """Each cut coded by the part whose cuts hold it (parts on disjoint cuts); other cuts dense."""
+
+    def __init__(self, d, cuts, seed, parts: list[Codec]):
+        super().__init__(name="mix", d=d, seed=seed, cuts=cuts)
+        held = [c for p in parts for c in p.cuts]
+        if len(held) != len(set(held)):
+            raise SystemExit(f"mix: a cut is coded by two parts ({sorted(held)})")
+        self.parts, self.all_cuts = parts, list(cuts)
+
+    def _part(self, layer: int) -> Codec | None:
+        return next((p for p in self.parts if layer in p.cuts), None)
+
+    @contextlib.contextmanager
+    def keyed(self, step: int):
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p.keyed(step))
+            yield self
+
+    def wire_out(self, x_BTD, pos_BT, sid_B, layer):
+        p = self._part(layer)
+        return p.wire_out(x_BTD, pos_BT, sid_B, layer) if p else (x_BTD,)
+
+    def wire_in(self, wire, pos_BT, sid_B, layer, dtype):
+        p = self._part(layer)
+        return p.wire_in(wire, pos_BT, sid_B, layer, dtype) if p else wire[0]
+
+
 def wire_bits(codec: Codec, tokens_per_micro: float = 1.0) -> tuple[float, float]:
-    """(forward, backward) bytes per token at one compressed cut."""
+    """(forward, backward) bytes per token at one compressed cut (a mix: the mean over all cuts)."""
+    if isinstance(codec, MixCodec):
+        per_cut = [wire_bits(p, tokens_per_micro) for p in codec.parts for _ in p.cuts]
+        per_cut += [(2.0 * codec.d, 2.0 * codec.d)] * (len(codec.all_cuts) - len(per_cut))
+        return tuple(sum(x) / len(per_cut) for x in zip(*per_cut))
     if isinstance(codec, SimCodec):
         return codec.bytes_per_token(codec.fwd_spec, tokens_per_micro), codec.bytes_per_token(codec.bwd_spec, tokens_per_micro)
     if codec.name == "prf":
