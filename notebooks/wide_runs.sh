@@ -10,7 +10,10 @@
 # codec half its gain there). Rotated backward coordinates keep the default recipe's share, 40 of 64
 # = 240 of 384. rot2g_q4 / rot4_q4: the width's levers (2-bit Gaussian levels with a scale per 64
 # coordinates, or 4-bit uniform, forward; the rank-4 code of each micro-batch's gradient backward),
-# the reference off the wire (β = 0) and no other saving. frontier: ds_configs/frontier_wide.json as
+# the reference off the wire (β = 0) and no other saving. The levers one at a time under the same rules
+# (β = 0, no skip): rot4_b0 the starting point (4-bit forward, 240 × 2-bit backward), rot4_t64 with a
+# scale per 64 coordinates both ways, rot2g with 2-bit Gaussian levels per 64 forward (the subset
+# backward kept), rot4_q4 with the rank code back. frontier: ds_configs/frontier_wide.json as
 # shipped (2-bit Gaussian levels per 64-coordinate tile forward, rank 2 backward, β = 0; its own model
 # block: the wide model's step-200 warm start); frontier3: the same with 3-bit Lloyd–Max levels
 # forward (the next share up, for the smallest share at which both seeds reach 90 %). A finished run (its eval.jsonl has step
@@ -30,6 +33,9 @@ declare -A RUNS=(
   [prf95_cm8]="ds_configs/prf95.json $W anchor.replay_fraction=0.125 $S"
   [rot2g_q4]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.fwd_tile=64 codec.fwd_levels=gauss codec.bwd_rank=4 grpo.kl_coef=0"
   [rot4_q4]="ds_configs/rotated.json $W codec.bwd_rank=4 grpo.kl_coef=0"
+  [rot4_b0]="ds_configs/rotated.json $W codec.bwd_coords=240 grpo.kl_coef=0"
+  [rot4_t64]="ds_configs/rotated.json $W codec.bwd_coords=240 codec.fwd_tile=64 codec.bwd_tile=64 grpo.kl_coef=0"
+  [rot2g]="ds_configs/rotated.json $W codec.fwd_bits=2 codec.fwd_tile=64 codec.fwd_levels=gauss codec.bwd_coords=240 codec.bwd_tile=64 grpo.kl_coef=0"
   [frontier]="ds_configs/frontier_wide.json"
   [frontier3]="ds_configs/frontier_wide.json codec.fwd_bits=3"
 )
