@@ -37,7 +37,7 @@ RUNS = {"dense": "dense, β = 0.001 (control)",
         "rot2g_q4": "fwd 2-bit Gaussian levels per 64 / bwd rank 4, β = 0, no anchor",
         "rot4_q4": "fwd 4-bit / bwd rank 4, β = 0, no anchor",
         "rot4_b0": "rotated fwd 384 × 4-bit / bwd 240 × 2-bit, β = 0, no skip, no anchor",
-        "rot4_t64": "the same with a scale per 64 coordinates both ways",
+        "rot4_t64": "rotated fwd 384 × 4-bit / bwd 240 × 2-bit, a scale per 64 coordinates both ways, β = 0, no anchor",
         "rot2g": "fwd 2-bit Gaussian levels per 64 / bwd 240 × 2-bit per 64, β = 0, no anchor",
         "frontier": "frontier_wide.json: fwd 2-bit Gaussian levels per 64 / bwd rank 2, β = 0, no anchor",
         "frontier3": "frontier_wide.json, fwd 3-bit Lloyd–Max levels per 64 / bwd rank 2, β = 0, no anchor"}
