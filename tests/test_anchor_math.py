@@ -261,12 +261,34 @@ def test_prune_keeps_the_chain_a_kept_step_needs(tmp_path):
     _ship_chain(tmp_path, [0, 2, 4, 6, 8, 10], keyframes={0, 6})
     for s in (0, 2, 4, 6, 8, 10):
         write_tensors(batch_path(tmp_path, s), s, {"ids_NT": torch.zeros(1, 2)})
-    prune(tmp_path, inputs_before=4, signs_before=0)               # θ(4) is a delta on θ(2) on θ(0)
+    prune(tmp_path, [(4, math.inf)], signs_before=0, states_before=0, pinned=-1)   # θ(4) is a delta on θ(2) on θ(0)
     assert steps_in(tmp_path / "theta") == [0, 2, 4, 6, 8, 10]
     assert steps_in(tmp_path / "batch", ".safetensors") == [4, 6, 8, 10]
-    prune(tmp_path, inputs_before=8, signs_before=0)               # θ(8) needs θ(6), a keyframe
+    prune(tmp_path, [(8, math.inf)], signs_before=0, states_before=0, pinned=-1)   # θ(8) needs θ(6), a keyframe
     assert steps_in(tmp_path / "theta") == [6, 8, 10]
     assert read_theta(tmp_path, 10, 0, SHAPES).keys() == SHAPES.keys()
+
+
+def test_between_the_pin_and_the_pending_fires_nothing_is_kept(tmp_path):
+    """c = K = 1, a θ shipped every step (keyframes at 0, 6, 12, 18), a state per fire; the trainer
+    holds fire 17 and its checkpoint after 5 steps pinned fire 4: pending fires read θ from step
+    15 on (held's weights step 16, minus one cadence for the forecast), a rewind to the pin reads
+    steps [2, 5) (fire 4's weights step 3, minus one) and fire 4's state. Steps 5–11 go, and every
+    state between the pin and the held fire but the newest two; a rewind to the pin then finds what
+    the resumed run reads: fire 4's state and the newest θ shipped before step 5."""
+    shipped = _ship_chain(tmp_path, range(21), keyframes={0, 6, 12, 18})
+    for s in range(21):
+        write_tensors(batch_path(tmp_path, s), s, {"ids_NT": torch.zeros(1, 2)})
+        write_tensors(state_path(tmp_path, s), s, {"w": torch.full((4,), float(s))})
+    prune(tmp_path, [(15, math.inf), (2, 5)], signs_before=4, states_before=17, pinned=4)
+    assert steps_in(tmp_path / "theta") == [0, 1, 2, 3, 4, 12, 13, 14, 15, 16, 17, 18, 19, 20]   # chains to 0 and 12
+    assert steps_in(tmp_path / "batch", ".safetensors") == [2, 3, 4, 15, 16, 17, 18, 19, 20]
+    assert steps_in(tmp_path / "state", ".safetensors") == [4, 17, 18, 19, 20]
+    rewind(tmp_path, 4, 5)
+    fire, state, _ = read_state(tmp_path)
+    assert fire == 4 and torch.equal(state["w"], torch.full((4,), 4.0))
+    got = read_theta(tmp_path, 4, 0, SHAPES)
+    assert all(torch.equal(got[n].view(torch.int16), shipped[4][n].view(torch.int16)) for n in SHAPES)
 
 
 def test_replay_groups_are_a_keyed_share():

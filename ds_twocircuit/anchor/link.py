@@ -61,7 +61,7 @@ class AnchorLink:
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
         self.held = -1                      # the fire whose sign every rank holds
-        self.pinned = resume[0] if resume else None   # the held fire of the newest checkpoint
+        self.pin = resume          # (held fire, step) of the newest checkpoint; None before one
         grid = pipeline.engine.grid
         self.stage_of_rank = {grid.stage_to_global(stage_id=s, data=d): s
                               for s in range(grid.pipe_parallel_size) for d in range(grid.data_parallel_size)}
@@ -122,7 +122,7 @@ class AnchorLink:
         """Rank 0, after a checkpoint of `step` steps is complete: pin its held fire in the mailbox."""
         if self.rank0:
             mb.write_pin(self.root, self.held, step)
-            self.pinned = self.held
+            self.pin = (self.held, step)
 
     def ships_at(self, t: int) -> bool:
         """Whether step t ships θ(t) (then rank 0 must hold the dense weights of step t)."""
@@ -135,11 +135,20 @@ class AnchorLink:
                 self.process.wait()
 
     def collect(self) -> None:
-        """Rank 0: drop shipped inputs the anchor can no longer need (older than the held fire's
-        weights step minus one cadence, which the forecast may still read) and superseded signs."""
-        keep = self.held if self.pinned is None else min(self.held, self.pinned)   # a resume may rewind to the pin
-        if self.rank0 and keep >= 0:
-            mb.prune(self.root, weights_step(keep, self.a.staleness) - self.a.every, keep)
+        """Rank 0: drop what the mailbox no longer needs. A pending fire reads inputs from the held
+        fire's weights step minus one cadence (the forecast's older θ) on; a resume rewinds to the
+        pinned checkpoint (fire h after s steps) and recomputes the fires after h whose weights step
+        lies before s, so the inputs of [weights step of h − c, s) stay too, and h's sign and state.
+        Those in between go: a rewind removes them, and no pending fire reads them. A checkpoint that
+        held no sign (h = −1) rewinds to fire 0: everything stays until the next one."""
+        if not self.rank0 or self.held < 0 or (self.pin is not None and self.pin[0] < 0):
+            return
+        lo = lambda fire: weights_step(fire, self.a.staleness) - self.a.every
+        inputs = [(lo(self.held), math.inf)]
+        if self.pin is not None:
+            inputs.append((lo(self.pin[0]), self.pin[1]))
+        pinned = self.held if self.pin is None else self.pin[0]
+        mb.prune(self.root, inputs, signs_before=min(self.held, pinned), states_before=self.held, pinned=pinned)
 
     # ---- rank 0 -----------------------------------------------------------------------------
     def _ship(self, t: int, theta: dict, rollout, kl_coef: float) -> int:

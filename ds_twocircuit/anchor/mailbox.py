@@ -10,8 +10,8 @@ Layout under the mailbox directory (any file transport can carry it between host
     batch/step{s:08d}.safetensors                 the rollout batch θ(s) generated
     sign/step{f:08d}/stage{i}.safetensors         sign(M) bits of stage i
     sign/step{f:08d}/bases.safetensors            lowrank bases refreshed at fire f
-    state/step{f:08d}.safetensors                 the anchor's M (and bases) after fire f: the last 2
-                                                  and every one from the pinned fire on
+    state/step{f:08d}.safetensors                 the anchor's M (and bases) after fire f: the last 2,
+                                                  the pinned fire's and those from the trainer's held on
     pin.json                                      the fire and step of the trainer's newest checkpoint
     rewind.json                                   written by a resumed trainer: a running anchor reloads
     STOP                                          the trainer is done: the anchor exits
@@ -21,7 +21,9 @@ says the same to the anchor, which keeps its state of fire h and every later one
 on --resume removes what lies past that checkpoint: the requests for fires whose weights step is s
 or later and their shipped θ and batches (the resumed trainer ships them again), and every sign and
 state of a fire after h. The anchor then resumes M from fire h and recomputes the later fires, from
-the kept inputs of steps before s and the reshipped ones, as the uninterrupted run did.
+the kept inputs of steps before s and the reshipped ones, as the uninterrupted run did. Between
+the pin and what pending fires read, nothing is kept (`prune`): a rewind removes it anyway, so the
+mailbox holds a few fires' θ and states, not one per step since the last checkpoint.
 
 θ as deltas: each shipped θ(s) is either whole (a keyframe) or the delta of each tensor's values
 since the previous shipped step, θ(base); a reader rebuilds it through that chain from the keyframe
@@ -110,19 +112,34 @@ def published_fires(root: pathlib.Path) -> list[int]:
     return steps_in(root / "sign")
 
 
-def prune(root: pathlib.Path, inputs_before: int, signs_before: int) -> None:
-    """Remove shipped batches of steps before `inputs_before`, θ no kept step's delta chain reaches
-    (module docstring), and signs of fires before `signs_before` (what no fire can read any more)."""
-    floor = _chain_floor(root, inputs_before)
-    for step in steps_in(root / "theta"):
-        if step < floor:
+def prune(root: pathlib.Path, inputs: list[tuple[int, float]], signs_before: int, states_before: int,
+          pinned: int) -> None:
+    """Remove what neither a pending fire nor a rewind to the pinned checkpoint can read (link.collect
+    says which): shipped batches of steps outside every [lo, hi) of `inputs`, θ outside them that no
+    kept step's delta chain reaches (module docstring), signs of fires before `signs_before`, and
+    states of fires before `states_before` but the `pinned` fire's and the newest two (read_state's
+    fallback)."""
+    def kept(step: int) -> bool:
+        return any(lo <= step < hi for lo, hi in inputs)
+    thetas = steps_in(root / "theta")
+    chains = set()
+    for lo, hi in inputs:   # within a range each θ's base is the previous shipped step: one chain to follow
+        first = next((s for s in thetas if lo <= s < hi), None)
+        while first is not None and first not in chains:
+            chains.add(first)
+            first = theta_base(root, first)
+    for step in thetas:
+        if not kept(step) and step not in chains:
             shutil.rmtree(root / "theta" / f"step{step:08d}", ignore_errors=True)
     for step in steps_in(root / "batch", ".safetensors"):
-        if step < inputs_before:
+        if not kept(step):
             _remove_batch(root, step)
     for f in published_fires(root):
         if f < signs_before:
             shutil.rmtree(sign_dir(root, f), ignore_errors=True)
+    for f in steps_in(root / "state", ".safetensors")[:-2]:
+        if f < states_before and f != pinned:
+            _remove_state(root, f)
 
 
 def theta_base(root: pathlib.Path, step: int) -> int | None:
@@ -131,17 +148,6 @@ def theta_base(root: pathlib.Path, step: int) -> int | None:
         return int(metadata(delta_path(root, step, 0))["base"])
     except (MailboxError, KeyError, ValueError):
         return None
-
-
-def _chain_floor(root: pathlib.Path, before: int) -> int:
-    """The oldest θ step that the chain of the oldest θ at or after `before` reaches back to."""
-    kept = [s for s in steps_in(root / "theta") if s >= before]
-    if not kept:
-        return before
-    step = kept[0]
-    while (base := theta_base(root, step)) is not None:
-        step = base
-    return min(step, before)
 
 
 def _input_steps(root: pathlib.Path) -> list[int]:
