@@ -143,10 +143,11 @@ class AnchorLink:
         held no sign (h = −1) rewinds to fire 0: everything stays until the next one."""
         if not self.rank0 or self.held < 0 or (self.pin is not None and self.pin[0] < 0):
             return
-        lo = lambda fire: weights_step(fire, self.a.staleness) - self.a.every
-        inputs = [(lo(self.held), math.inf)]
+        def oldest_read(fire: int) -> int:   # by the fires after `fire`: its weights step − c
+            return weights_step(fire, self.a.staleness) - self.a.every
+        inputs = [(oldest_read(self.held), math.inf)]
         if self.pin is not None:
-            inputs.append((lo(self.pin[0]), self.pin[1]))
+            inputs.append((oldest_read(self.pin[0]), self.pin[1]))
         pinned = self.held if self.pin is None else self.pin[0]
         mb.prune(self.root, inputs, signs_before=min(self.held, pinned), states_before=self.held, pinned=pinned)
 
