@@ -25,7 +25,7 @@ from transformers import Qwen2ForCausalLM
 from ds_twocircuit.config import WideModelConfig
 from ds_twocircuit.data.synthetic import synthetic_splits
 from ds_twocircuit.data.verify import exact_integer
-from ds_twocircuit.model.tiny import build_config, build_tokenizer, cache_root, tiny_model_key, warm_start
+from ds_twocircuit.model.tiny import build_config, build_tokenizer, built_with, cache_root, tiny_model_key, warm_start
 from ds_twocircuit.sampler.hf import HFSampler, greedy_accuracy
 
 
@@ -79,7 +79,7 @@ def install(snap: pathlib.Path, wide: WideModelConfig, eval_size: int, acc: floa
     target = cache_root() / f"wide-{tiny_model_key(wide, eval_size)}"
     tmp = pathlib.Path(tempfile.mkdtemp(dir=cache_root(), prefix=".wide-"))
     shutil.copytree(snap, tmp, dirs_exist_ok=True)
-    (tmp / "warmup.json").write_text(json.dumps({"held_out_acc": acc, **dataclasses.asdict(wide)}))
+    (tmp / "warmup.json").write_text(json.dumps({"held_out_acc": acc, **dataclasses.asdict(wide), **built_with()}))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     print(f"installed {target}", flush=True)

@@ -91,10 +91,18 @@ def build_tiny_model(tiny, out_dir: pathlib.Path, eval_size: int) -> None:
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
         acc = greedy_accuracy(HFSampler(str(out_dir)), held["problem"], held["answer"], exact_integer, 5)
-        (out_dir / "warmup.json").write_text(json.dumps({"held_out_acc": acc, **asdict(tiny)}))
+        (out_dir / "warmup.json").write_text(json.dumps({"held_out_acc": acc, **asdict(tiny), **built_with()}))
         print(f"[ds_twocircuit] embedded base model built: held-out greedy accuracy {acc:.3f} -> {out_dir}")
     finally:
         torch.set_num_threads(threads)
+
+
+def built_with() -> dict:
+    """What else decides the built weights: the warm start's steps amplify the kernels' rounding, so
+    the same configuration builds another model on another CPU path (a held-out score that differs
+    from another machine's build says so; the cache key names the configuration only)."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": os.cpu_count() or 1}
 
 
 def warm_start(model, tok, problems: list[str], answers: list[str], tiny, probe=None, probe_every: int = 0) -> None:
