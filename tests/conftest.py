@@ -135,13 +135,17 @@ def assert_same_weights(wa: dict, wb: dict, lr: float = 3e-4, steps: int = 4) ->
     slowest rotary pairs that rotation is nearly nil over these 12-token rows, so those components
     get a gradient of float-noise size, and Adam turns it into steps of up to lr. Runs that sum in
     another order move them apart (measured: only components 12–15 and 28–31 of the 32-wide head,
-    the slowest pairs, by up to 2.3e-6); they are checked to stay within 2·lr per step."""
+    the slowest pairs, by up to 2.3e-6); they are checked to stay within 2·lr per step. Elsewhere Adam
+    normalises each element's step to at most lr, so a reordered sum's relative error in a gradient
+    reaches the weight as a share of lr, not of the weight: the rest are checked to 1 % of the most
+    `steps` Adam steps can move an element (an AVX-512 Xeon moved one element of 4096 in a down
+    projection by 1.9e-6 over 4 steps at lr 3e-4, beyond a fixed 1e-6)."""
     assert wa.keys() == wb.keys()
     for n in wa:
         if n.endswith("k_proj.bias"):
             assert (wa[n] - wb[n]).abs().max() <= 2 * lr * steps, n
         else:
-            torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=1e-6, msg=n)
+            torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=0.01 * lr * steps, msg=n)
 
 
 def stage_numel(run_dir) -> list[int]:

@@ -13,6 +13,7 @@ Two steps show the path learns (a gradient from math-verify's rewards reaches ev
 the weights the sampler and the export get), not that it improves the score.
 """
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -125,8 +126,9 @@ def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
     whole tensors. What the delta sync handed vLLM last is the trainer's weights bit for bit, and
     they are not the fixture's. (A step's policy loss can be 0 with a nonzero gradient: at ratio 1
     it is −Σ Â·|response| / tokens, and a mixed group of `\\boxed{0}` and `\\boxed{1}` answers has
-    equal lengths, so the gradient norm is what shows step 1 learns, and a nonzero policy loss is
-    asked of some step.)"""
+    equal lengths, so the gradient norms are what show both steps learn. Whether a sampled group's
+    lengths differ depends on the CPU's kernels: an AVX-512 Xeon sampled equal lengths in both steps,
+    a loss of −1e-8 and 0; the loss's value at ratio 1 is test_loss's.)"""
     launch(8, tmp_path, *user(fixtures, "sampler.backend=vllm", "grpo.prompts_per_step=8", "grpo.group_size=4",
                               "train.save_every=2", "anchor.timeout=300"),
            config=ROOT / "ds_configs" / "prf95_qwen1p5b.json", timeout=580,
@@ -146,8 +148,8 @@ def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
           "pg_loss:", [x["actor/pg_loss"] for x in r], "grad_norm:", [x["actor/grad_norm"] for x in r],
           "sync bytes:", [x["sync/bytes"] for x in r], "dense bytes:", [x["sync/dense_bytes"] for x in r],
           "changed:", [x["sync/changed_frac"] for x in r])
-    assert r[0]["critic/score/mean"] > 0 and r[0]["actor/grad_norm"] > 0
-    assert any(abs(x["actor/pg_loss"]) > 1e-4 for x in r)
+    assert r[0]["critic/score/mean"] > 0 and all(x["actor/grad_norm"] > 0 for x in r)
+    assert all(math.isfinite(x["actor/pg_loss"]) for x in r)
     from transformers import AutoModelForCausalLM
     fixture = AutoModelForCausalLM.from_pretrained(fixtures["model"])
     base = {n: p.detach().to(torch.bfloat16) for n, p in fixture.named_parameters()}
