@@ -120,3 +120,50 @@ def test_the_wide_embedded_model_is_built_and_trained(cache_dir, tmp_path):
     assert [x["step"] for x in rows(tmp_path)] == [1]
     assert json.loads((tmp_path / "model" / "config.json").read_text())["hidden_size"] == 64
     assert [p.name for p in cache_dir.glob("wide-*") if p.is_dir()], list(cache_dir.iterdir())
+
+
+def test_the_grpo_objective_as_the_pipeline_applies_it(tiny_model, tmp_path):
+    """4 stages × 2 replicas run `passes.update` on a synthetic rollout (tests/dist_objective.py:
+    ragged lengths, mixed-sign advantages, π_old and π_ref off π_θ, τ = 0.7, β = 0.05). Each stage's
+    gradient equals the HF model's plus `grpo_token_loss` in one process (bound: 1e-5 relative, 1e-7
+    absolute, float summation order of a 32-wide model: measured ≤ 3e-8; a flipped loss, advantages
+    on the wrong rows, a lost temperature or a wrong scale move them by their own size). With the
+    true-norm clip at 0.01 the stepped gradient is the reference × 0.01/(‖g‖ + 1e-6) and the norm
+    the clip read is the reference's (the tied embedding counted once). One on-policy AdamW step at
+    β = 0 raises Σ Â·Δlog π over the responses, and raises the mean log π of the positive-advantage
+    responses' tokens relative to the negative ones'."""
+    import dist_objective as obj
+    from safetensors.torch import load_file
+    from ds_twocircuit.grpo.loss import LossCoefs
+    from ds_twocircuit.grpo.rollouts import Rollout
+    p = subprocess.run(ds_cmd(8, "tests/dist_objective.py", tiny_model, ROOT / "tests/configs/tiny.json", tmp_path),
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    saved = torch.load(tmp_path / "rollout.pt")
+    r = Rollout(**saved["rollout"])
+    coefs = LossCoefs(kl_coef=obj.BETA)
+    ref, sums = obj.reference_gradients(str(tiny_model), r, saved["old"], saved["ref"], coefs)
+    # the batch exercises every branch of the loss: both clips, the dual clip, the KL term
+    assert sums["actor/pg_clipfrac_lower"] > 0.05 and sums["actor/pg_clipfrac"] > sums["actor/pg_clipfrac_lower"]
+    assert sums["actor/pg_clipfrac_dual"] > 0 and sums["actor/kl_loss"] > 0
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in ref.values())).item()
+    assert norm > 3 * obj.MAX_NORM, norm
+    clip = json.loads((tmp_path / "clip.json").read_text())
+    assert math.isclose(clip["pre_clip_norm"], norm, rel_tol=1e-5), (clip, norm)
+    for kind, scale in (("plain", 1.0), ("clipped", obj.MAX_NORM / (norm + 1e-6))):
+        got = {}
+        for f in sorted((tmp_path / kind).glob("grads_stage*.safetensors")):
+            for n, g in load_file(f).items():
+                if n in got:                      # the tied head's copy: the same reduced gradient
+                    assert torch.equal(got[n], g), n
+                got[n] = g
+        assert got.keys() == ref.keys()
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n] * scale, rtol=1e-5, atol=1e-7 * scale, msg=f"{kind} {n}")
+    before, after = torch.zeros_like(r.resp_NT1), torch.zeros_like(r.resp_NT1)
+    for f in tmp_path.glob("direction*.pt"):
+        d = torch.load(f)
+        before[slice(*d["rows"])], after[slice(*d["rows"])] = d["before"], d["after"]
+    delta = ((after - before) * r.resp_NT1).sum(1) / r.resp_NT1.sum(1)          # mean Δlog π per response
+    assert float((r.adv_N * delta).sum()) > 0
+    assert float(delta[r.adv_N > 0].mean()) > float(delta[r.adv_N < 0].mean()), delta
