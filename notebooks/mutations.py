@@ -74,9 +74,10 @@ def run(commit: str, suite: str, only: list[str], out: pathlib.Path) -> list[dic
                                capture_output=True, text=True)
             verdict = "PASS" if p.returncode == 0 else "FAIL"
             tail = [l for l in p.stdout.splitlines() if l.startswith(("FAILED", "ERROR"))][:3]
+            why = [l[:200] for l in p.stdout.splitlines() if l.startswith("E ")][:2]
             results.append({"id": mid, "what": what, "suite": suite, "commit": commit, "verdict": verdict,
-                            "tests": tests[suite], "failed": tail, "seconds": round(time.time() - t0)})
-            print(f"{mid:24s} {suite}: {verdict} ({round(time.time() - t0)} s) {' '.join(tail)}", flush=True)
+                            "tests": tests[suite], "failed": tail, "why": why, "seconds": round(time.time() - t0)})
+            print(f"{mid:24s} {suite}: {verdict} ({round(time.time() - t0)} s) {' '.join(tail)} {' | '.join(why)}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     if out:
