@@ -56,6 +56,7 @@ MUTATIONS = {
 
 def run(commit: str, suite: str, only: list[str], out: pathlib.Path) -> list[dict]:
     results = []
+    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
     cache = os.environ.setdefault("DS_TWOCIRCUIT_TEST_CACHE", str(pathlib.Path(tempfile.gettempdir()) / "mutcache"))
     for mid, (what, path, old, new, tests) in MUTATIONS.items():
         if only and mid not in only:
@@ -72,9 +73,10 @@ def run(commit: str, suite: str, only: list[str], out: pathlib.Path) -> list[dic
             p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests[suite]],
                                cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), "DS_TWOCIRCUIT_TEST_CACHE": cache},
                                capture_output=True, text=True)
-            verdict = "PASS" if p.returncode == 0 else "FAIL"
+            # FAIL only where a test failed; a suite that could not run (collection, setup) is an error
+            verdict = "PASS" if p.returncode == 0 else "FAIL" if p.returncode == 1 else f"ERROR rc={p.returncode}"
             tail = [l for l in p.stdout.splitlines() if l.startswith(("FAILED", "ERROR"))][:3]
-            why = [l[:200] for l in p.stdout.splitlines() if l.startswith("E ")][:2]
+            why = [l[:200] for l in p.stdout.splitlines() if l.startswith("E ")][:2] or p.stderr.splitlines()[-2:]
             results.append({"id": mid, "what": what, "suite": suite, "commit": commit, "verdict": verdict,
                             "tests": tests[suite], "failed": tail, "why": why, "seconds": round(time.time() - t0)})
             print(f"{mid:24s} {suite}: {verdict} ({round(time.time() - t0)} s) {' '.join(tail)} {' | '.join(why)}", flush=True)
