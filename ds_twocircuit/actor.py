@@ -20,7 +20,7 @@ from .metrics import telemetry
 from .anchor.correction import Agreement, SignCorrection
 from .codec.boundary import PayloadCount
 from .pipeline.engine import Pipeline
-from .pipeline.grads import GradientComparison, GradientViews
+from .pipeline.grads import GradientComparison, GradientViews, SteppedNorm
 from .grpo.loss import LossCoefs, k3_kl
 from .grpo.rollouts import Rollout, nonzero_advantage_rows
 from .pipeline.guard import FiniteGuard, Verdict
@@ -63,8 +63,10 @@ class Actor:
         self.guard = FiniteGuard(p.engine, p.pipe, p.loss, own_skip=p.per_param_grads)
         views = GradientViews(p.engine, p.pipe)
         self.compare = GradientComparison(views)
+        self.stepped = SteppedNorm(views)
         self.correction = SignCorrection(views, anchor_alpha) if anchor_alpha is not None else None
-        hooks = {"clip": p.clip.clip if p.clip.active else None, "compare_before": self.compare.before,
+        hooks = {"clip": p.clip.clip if p.clip.active else None, "stepped_norm": self.stepped.record,
+                 "compare_before": self.compare.before,
                  "correct": self.correction.apply if self.correction else None, "compare_after": self.compare.after}
         install_step_hooks(p.engine.basic_optimizer, {k: f for k, f in hooks.items() if f is not None})
 
@@ -114,7 +116,7 @@ class Actor:
         if kept is not None:
             shards = [(nonzero_advantage_rows(mb, p.micro)[0], ntok) for mb, ntok in shards]
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
-        with self.stepping(t, sign) as counts:
+        with self.stepping(t, sign) as counts, self.stepped.recording() as stepped_sq:
             refs = zeros if coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
                 [passes.logprobs(p, mb, self.base) for mb, _ in shards]
             olds = zeros if on_policy else [passes.logprobs(p, mb) for mb, _ in shards]
@@ -129,6 +131,7 @@ class Actor:
         if on_policy and p.last_stage:
             olds = [updates[0].old_logp]
         partials = self._partials(counts, updates, shards, kept, olds, on_policy, dots)
+        partials.update(telemetry.stepped_partials(stepped_sq, len(updates)))
         if probe is not None:
             partials.update(probe.partials)
         grad_norm = float("nan") if counts.verdict.skipped else float(np.mean([u.grad_norm for u in updates]))

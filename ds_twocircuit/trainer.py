@@ -151,7 +151,10 @@ class Trainer:
         if sums is None:   # the step's sums are rank 0's
             return {}, verdict
         compared = probe is not None and probe.grads is not None
-        return {"step": t + 1, **telemetry.finish(sums, p.num_stages, probe is not None, compared),
+        finished = telemetry.finish(sums, p.num_stages, probe is not None, compared)
+        if verdict.skipped:   # as actor/grad_norm: no step, no norm
+            finished["actor/grad_norm_clipped"] = float("nan")
+        return {"step": t + 1, **finished,
                 "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
                 **telemetry.group_shares(rollout.rewards_N, g.group_size, g.skip_zero_advantage),
                 **telemetry.reference_bytes(ref_NT1, rollout.resp_NT1),

@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded base model built small and once per session, real launches."""
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -146,6 +147,17 @@ def assert_same_weights(wa: dict, wb: dict, lr: float = 3e-4, steps: int = 4) ->
             assert (wa[n] - wb[n]).abs().max() <= 2 * lr * steps, n
         else:
             torch.testing.assert_close(wa[n], wb[n], rtol=1e-5, atol=0.01 * lr * steps, msg=n)
+
+
+def assert_clipped_norms(r: list[dict], max_norm: float, rel_tol: float = 1e-4) -> None:
+    """The norm measured on the gradient the optimizer stepped from is min(pre-clip norm, max_norm),
+    and the clip binds on some step. Bound: the clip scales by max_norm/(n + 1e-6), 2e-5 relative at
+    n = 0.05, plus float order; a clip that does not scale leaves the measured norm at n."""
+    assert any(x["actor/grad_norm"] > 1.1 * max_norm for x in r), [x["actor/grad_norm"] for x in r]
+    for x in r:
+        want = min(x["actor/grad_norm"], max_norm)
+        assert math.isclose(x["actor/grad_norm_clipped"], want, rel_tol=rel_tol), (x["step"], x["actor/grad_norm"],
+                                                                              x["actor/grad_norm_clipped"])
 
 
 def stage_numel(run_dir) -> list[int]:

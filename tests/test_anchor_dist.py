@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, launch, rows, stages
+from conftest import ROOT, TINY, assert_clipped_norms, launch, rows, stages
 from safetensors.torch import load_file
 
 from ds_twocircuit.anchor.mailbox import metadata, published_fires, sign_dir, sign_path
@@ -78,6 +78,10 @@ def test_flat_partitions_get_the_same_bits(tiny_model, tmp_path, precision):
     launch(4, tmp_path / "anchor", stages(2), "anchor.enabled=true", "anchor.every=1", "anchor.staleness=0",
            "anchor.beta_m=0", config=path)
     r = rows(tmp_path / "anchor")
+    # DeepSpeed's own clip on its flat partitions. Under bf16 the gradient it steps measures up to
+    # 3e-4 below max_norm (0.049986 at step 2, measured): DeepSpeed's norm of its bf16 optimizer's
+    # groups is not exactly the norm of the partitions it steps; a clip that does not bind is off by 7×
+    assert_clipped_norms(r, 0.05, rel_tol=1e-4 if precision == "zero1" else 1e-3)
     if precision == "zero1":
         assert [x["anchor/sign_agreement"] for x in r] == [1.0] * 4
     else:

@@ -62,7 +62,7 @@ def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):
 
 
 LOGGED_KEYS = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
-      "actor/pg_clipfrac_dual", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/kl_coef",
+      "actor/pg_clipfrac_dual", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/grad_norm_clipped", "actor/kl_coef",
       "timing/gen", "timing/train", "timing/sync", "rollout_corr/kl", "rollout_corr/k3_kl",
       "rollout_corr/prob_diff_mean", "rollout_corr/pearson"] + \
      [f"weights/{m}/stage{s}" for m in ("rel_change", "cos_base") for s in range(8)]

@@ -37,6 +37,7 @@ def test_nonfinite_steps_are_skipped_on_every_stage_and_too_many_in_a_row_stop_t
         assert r[2][key] != r[1][key], key                       # and the next step trains again
         assert r[4][key] == r[3][key] == r[2][key], key
     assert r[1]["actor/grad_norm"] != r[1]["actor/grad_norm"]     # NaN: no norm for a skipped step
+    assert math.isnan(r[1]["actor/grad_norm_clipped"]) and not math.isnan(r[0]["actor/grad_norm_clipped"])
     assert "step 2: non-finite loss or gradient on stage(s) [3]: optimizer step skipped on every rank (1 in a row)" in out
     lines = [l for l in out.splitlines() if "training stopped:" in l]
     assert len(lines) == 1, out[-3000:]

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, ds_cmd, launch, rows, stages, weights
+from conftest import ROOT, assert_clipped_norms, assert_same_weights, ds_cmd, launch, rows, stages, weights
 
 pytestmark = pytest.mark.dist
 
@@ -43,6 +43,7 @@ def test_eight_stages_take_grpo_steps_and_export(eight):
     r = rows(eight)
     assert [x["step"] for x in r] == [1, 2, 3, 4]
     assert r[0]["actor/grad_norm"] > 0.05, "the clip must be active for the 1-vs-8 comparison to test it"
+    assert_clipped_norms(r, 0.05)
     assert r[0]["actor/kl_loss"] == 0.0 and r[0]["actor/ppo_kl"] == 0.0
     assert abs(r[0]["rollout_corr/kl"]) < 1e-5
     assert any(x["actor/pg_loss"] != 0 for x in r), "advantages all zero: the test batch carries no signal"

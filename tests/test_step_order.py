@@ -1,4 +1,4 @@
-"""The optimizer step's order (pipeline/step_order.py): one pre-hook runs clip → compare → correct → compare,
+"""The optimizer step's order (pipeline/step_order.py): one pre-hook runs clip → norm → compare → correct → compare,
 each on the gradient the one before left, and then the optimizer steps from the last one's."""
 import pytest
 import torch
@@ -20,13 +20,15 @@ def test_hooks_run_in_the_stated_order_on_each_others_gradient():
 
     # given in reverse: the order is STEP_ORDER's, not the dict's
     hooks = {"compare_after": hook("compare_after"), "correct": hook("correct", lambda g: g.abs()),
-             "compare_before": hook("compare_before"), "clip": hook("clip", lambda g: g / 2)}
+             "compare_before": hook("compare_before"), "stepped_norm": hook("stepped_norm"),
+             "clip": hook("clip", lambda g: g / 2)}
     assert install_step_hooks(opt, hooks) == STEP_ORDER
     w.grad = torch.tensor([4.0, -6.0])
     opt.step()
     assert [n for n, _ in seen] == list(STEP_ORDER)
     grads = dict(seen)
-    assert torch.equal(grads["compare_before"], torch.tensor([2.0, -3.0]))    # after the clip
+    assert torch.equal(grads["stepped_norm"], torch.tensor([2.0, -3.0]))      # after the clip
+    assert torch.equal(grads["compare_before"], torch.tensor([2.0, -3.0]))
     assert torch.equal(grads["compare_after"], torch.tensor([2.0, 3.0]))      # after the correction
     assert torch.equal(w.detach(), torch.tensor([-1.0, -5.0]))                # stepped from the last gradient
 

@@ -10,6 +10,7 @@ metric has a name part that starts with "_".
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
     mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean, logp_diff_mean} sums and the moments behind the Pearson
                 (health.py); with prefix probe/ for the codec-off probe
+    clipped     actor/_stepped_sq/{i}: Σ g² of optimizer step i's gradient after the clip (grads.SteppedNorm)
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
     wire        codec/_fwd, _bwd, _pay, _dense, _pay_train, _dense_train, _fwd32, _bwd32 /stage{s}: p2p
@@ -111,6 +112,19 @@ def finish_wire(r: dict[str, float], num_stages: int) -> dict[str, float]:
     return out
 
 
+def stepped_partials(sq: list[float], updates: int) -> dict[str, float]:
+    """This rank's Σ g² after the clip of each of the step's `updates` optimizer steps (0 for one
+    that was skipped: none ran)."""
+    return {f"actor/_stepped_sq/{i}": sq[i] if i < len(sq) else 0.0 for i in range(updates)}
+
+
+def finish_stepped(r: dict[str, float]) -> dict[str, float]:
+    """actor/grad_norm_clipped: the global norm of the gradient the optimizer stepped from, after
+    the clip, mean over the step's optimizer steps (min(actor/grad_norm, gradient_clipping))."""
+    sq = [v for k, v in r.items() if k.startswith("actor/_stepped_sq/")]
+    return {"actor/grad_norm_clipped": sum(v ** 0.5 for v in sq) / len(sq)} if sq else {}
+
+
 def correction_partials(agreement, before, after) -> dict[str, float]:
     """The sign correction's agreement counts and the probe's dot products (grads.GradientComparison)."""
     return dict(zip(CORRECTION, [float(agreement.agree) if agreement else 0.0,
@@ -136,6 +150,7 @@ def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -
         out.update({"probe/" + k: v for k, v in finish_mismatch(probe).items()})
         out["probe/bytes_fwd"] = r["probe/_bytes_fwd"]
     out.update(finish_correction(r, compared))
+    out.update(finish_stepped(r))
     out.update(finish_movement(r, num_stages))
     out.update(finish_wire(r, num_stages))
     out.update({k: v for k, v in r.items() if k.startswith("memory/")})

@@ -1,5 +1,5 @@
-"""The gradients the optimizer is about to step, by parameter name, and the probe's comparison of
-them with the dense gradient of the same batch.
+"""The gradients the optimizer is about to step, by parameter name: their norm after the clip, and
+the probe's comparison of them with the dense gradient of the same batch.
 
 In plain fp32 the optimizer steps the parameters and each one's .grad is its gradient. Under bf16
 and ZeRO-1 it steps flat fp32 partitions; DeepSpeed's `_hp_mapping` on each parameter says which
@@ -100,3 +100,28 @@ class GradientComparison:
         for name, g, lp, counted in self.views:
             if counted:
                 yield name, g, lp, self._dense[name].view(-1).narrow(0, lp, g.numel()).double()
+
+
+class SteppedNorm:
+    """Σ g² over this rank's counted coordinates of the gradient the optimizer steps, read after the
+    clip (DeepSpeed's inside its step under bf16 and ZeRO-1, clip.py's in plain fp32) and before the
+    sign correction: summed over ranks, the square of the clipped global norm, which a clip that
+    binds makes max_norm (actor/grad_norm_clipped). One entry per optimizer step that ran."""
+
+    def __init__(self, views: GradientViews):
+        self.views, self._sq = views, None
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within the block, each optimizer step appends its Σ g² (float64) to the yielded list."""
+        self._sq = []
+        try:
+            yield self._sq
+        finally:
+            self._sq = None
+
+    @torch.no_grad()
+    def record(self) -> None:
+        if self._sq is not None:
+            g2 = [g.double().pow(2).sum() for _, g, _, counted in self.views if counted]
+            self._sq.append(float(sum(g2)) if g2 else 0.0)
