@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, VOLATILE, assert_resumed_rows, assert_same_weights, ds_cmd, launch, rows, weights
+from conftest import ROOT, VOLATILE, assert_resumed_rows, assert_rows_close, assert_same_weights, ds_cmd, launch, rows, weights
 from dist_grads import reference_grads
 from ds_twocircuit.control import next_level
 
@@ -149,7 +149,8 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, ro
     sees exactly 8/128 of the dense gradient bytes back on every cut, the forward 18/128 plus the
     row descriptor; the reference and the policy pass see the same code (KL 0 at step 1); 16
     micro-batches instead of 4 give the same losses, codec-view KL and weights (the code is a token's
-    own); the dense-equivalent counterfactual is what the dense control sent."""
+    own; 1e-4 relative, measured ≤ 1.6e-6 on the codec-view KL); the dense-equivalent counterfactual
+    is what the dense control sent."""
     r = rows(rotated)
     assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-4
     for x in r:
@@ -163,9 +164,8 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, ro
     assert (r[0]["codec/dense_equiv_bytes"], r[0]["codec/dense_equiv_bytes_bwd"]) == \
         (dense["codec/bytes_fwd"], dense["codec/bytes_bwd"])
     launch(8, tmp_path / "micro2", *ROTATED, config=micro2_config(tmp_path))
-    for ra, rb in zip(r, rows(tmp_path / "micro2")):
-        for k in ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"):
-            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
+    assert_rows_close(r, rows(tmp_path / "micro2"), ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"),
+                      rel_tol=1e-4)
     assert_same_weights(weights(rotated), weights(tmp_path / "micro2"))
 
 

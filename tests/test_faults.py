@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ANCHORED, ROOT, VOLATILE, rank_processes, assert_resumed_rows, assert_same_weights, launch, launch_cmd, rows, weights
+from conftest import ANCHORED, ROOT, VOLATILE, rank_processes, assert_resumed_rows, assert_rows_close, assert_same_weights, launch, launch_cmd, rows, weights
 
 pytestmark = pytest.mark.dist
 
@@ -214,8 +214,9 @@ def test_two_replicas_equal_one_on_the_same_global_batch(tiny_model, tmp_path):
     anchor on (sync, c = K = 2), PRF codec, the same 64 sequences per step: each replica trains on
     half of them (gradient accumulation halves), DeepSpeed averages the replicas' gradients and
     ZeRO-1 splits each stage's optimizer state between them. Losses, KL and entropy equal to float
-    tolerance (rel 1e-4: the replicas sum in another order), the anchor's sign agrees as closely, and
-    the weights match to assert_same_weights's tolerance."""
+    tolerance (rel 1e-4: the replicas sum in another order, and PRF's 25 % masks amplify it over 4
+    steps; measured 2026-12-06: KL 2.4e-5, gradient norm 5e-6, the rest ≤ 1e-7), the anchor's sign
+    agrees as closely, and the weights match to assert_same_weights's tolerance."""
     cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
     cfg["zero_optimization"] = {"stage": 1}
     path = tmp_path / "zero1.json"
@@ -226,9 +227,7 @@ def test_two_replicas_equal_one_on_the_same_global_batch(tiny_model, tmp_path):
     launch(8, tmp_path / "dp2", *common, config=path)
     one, two = rows(tmp_path / "dp1"), rows(tmp_path / "dp2")
     assert [x["step"] for x in two] == [1, 2, 3, 4]
-    for a, b in zip(one, two):
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "anchor/sign_agreement",
-                  "critic/score/mean"):
-            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-7), (a["step"], k, a[k], b[k])
-        assert a["anchor/fire"] == b["anchor/fire"]
+    assert_rows_close(one, two, ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+                                 "anchor/sign_agreement", "critic/score/mean"), rel_tol=1e-4)
+    assert [a["anchor/fire"] for a in one] == [b["anchor/fire"] for b in two]
     assert_same_weights(weights(tmp_path / "dp1"), weights(tmp_path / "dp2"))

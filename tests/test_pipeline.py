@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, assert_clipped_norms, assert_same_weights, ds_cmd, launch, rows, stages, weights
+from conftest import ROOT, assert_clipped_norms, assert_rows_close, assert_same_weights, ds_cmd, launch, rows, stages, weights
 
 pytestmark = pytest.mark.dist
 
@@ -56,23 +56,25 @@ def test_eight_stages_take_grpo_steps_and_export(eight):
 
 
 def test_one_stage_equals_eight_stages(eight, tmp_path):
+    """Rows within 1e-4 relative (measured 2026-12-06: ≤ 1.7e-7, the stages sum in another order;
+    the clipped norm 4e-9), weights to assert_same_weights's bound."""
     launch(1, tmp_path, stages(1))
-    a, b = rows(eight), rows(tmp_path)
-    for ra, rb in zip(a, b):
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
-            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
+    assert_rows_close(rows(eight), rows(tmp_path), ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm",
+                                                    "actor/grad_norm_clipped", "actor/entropy", "critic/score/mean"),
+                      rel_tol=1e-4)
     assert_same_weights(weights(eight), weights(tmp_path))
 
 
 def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
+    """16 micro-batches of 2 against 4 of 8: rows within 1e-4 relative (measured ≤ 5e-7: the token
+    mean sums its micro-batches in another order), weights to assert_same_weights's bound."""
     cfg = json.loads((ROOT / "tests/configs/tiny.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 2        # 16 micro-batches instead of 4
     path = tmp_path / "micro2.json"
     path.write_text(json.dumps(cfg))
     launch(8, tmp_path / "run", config=path)
-    for ra, rb in zip(rows(eight), rows(tmp_path / "run")):
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
-            assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
+    assert_rows_close(rows(eight), rows(tmp_path / "run"), ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"),
+                      rel_tol=1e-4)
     assert_same_weights(weights(eight), weights(tmp_path / "run"))
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import assert_same_weights, launch, rows, weights
+from conftest import assert_rows_close, assert_same_weights, launch, rows, weights
 
 pytestmark = pytest.mark.dist
 
@@ -29,10 +29,9 @@ def test_skipped_zero_advantage_groups_leave_the_update_unchanged(tiny_model, tm
     launch(8, tmp_path / "skip", *common, "grpo.skip_zero_advantage=true")
     a, b = rows(tmp_path / "all"), rows(tmp_path / "skip")
     assert any(r["train/skipped_groups"] > 0 for r in b), "no group was skipped: the test proves nothing"
+    assert_rows_close(a, b, ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), rel_tol=1e-5)
     for ra, rb in zip(a, b):
         assert rb["train/skipped_groups"] == ra["train/zero_advantage_groups"]
-        for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
-            assert math.isclose(ra[k], rb[k], rel_tol=1e-5, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
         # 16 groups of 4 in micro-batches of 8: the kept sequences, rounded up to micro-batches; each
         # pass also sends its shapes once per cut (the same in both runs)
         kept_micro = max(1, math.ceil(round(16 * (1 - rb["train/skipped_groups"])) * 4 / 8))
@@ -49,13 +48,12 @@ def test_skipped_zero_advantage_groups_leave_the_update_unchanged(tiny_model, tm
 
 def test_sampler_reference_equals_the_codec_off_pipeline_reference(eight, tmp_path):
     """Dense codec, β = 0.01 (the tiny config's): the reference log-probs of rank 0's dense base model
-    give the pipeline reference pass's KL and weights, and the forward bytes halve (one pass, not two)."""
+    give the pipeline reference pass's KL and weights, and the forward bytes halve (one pass, not two).
+    Bound 1e-4 relative for an HF model beside the pipeline; measured here: bitwise equal."""
     launch(8, tmp_path, "grpo.ref_logprobs=sampler")
     a, b = rows(eight), rows(tmp_path)
+    assert_rows_close(a, b, ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm", "probe/actor/kl_loss"), rel_tol=1e-4)
     for ra, rb in zip(a, b):
-        for k in ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm", "probe/actor/kl_loss"):
-            if k in ra:
-                assert math.isclose(ra[k], rb[k], rel_tol=1e-4, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
         # one forward pass instead of two of the same shapes; each run also sends its shapes once per
         # cut (~1 KB each) after a reset, so twice the one-pass bytes exceed the two-pass bytes by that
         assert 0 <= 2 * rb["codec/bytes_fwd"] - ra["codec/bytes_fwd"] <= 7 * 1024 + 1024, (ra["step"],)
@@ -68,13 +66,12 @@ def test_sampler_reference_equals_the_codec_off_pipeline_reference(eight, tmp_pa
 
 def test_shared_prompts_equal_unshared_with_the_codec_off(eight, tmp_path):
     """Dense codec: each cut sends a group's prompt once and its gradient summed over the group, and
-    the losses, gradient norms and weights are the unshared run's to float summation order, while
-    fewer bytes cross both ways."""
+    the losses, gradient norms and weights are the unshared run's to float summation order (1e-5
+    relative; measured ≤ 7.1e-7, the KL), while fewer bytes cross both ways."""
     launch(8, tmp_path, "grpo.share_prompts=true")
     a, b = rows(eight), rows(tmp_path)
+    assert_rows_close(a, b, ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"), rel_tol=1e-5)
     for ra, rb in zip(a, b):
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
-            assert math.isclose(ra[k], rb[k], rel_tol=1e-5, abs_tol=1e-7), (ra["step"], k, ra[k], rb[k])
         assert rb["codec/bytes_fwd"] < 0.7 * ra["codec/bytes_fwd"] and rb["codec/bytes_bwd"] < 0.7 * ra["codec/bytes_bwd"]
     assert_same_weights(weights(eight), weights(tmp_path))
 
