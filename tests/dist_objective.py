@@ -62,16 +62,27 @@ def make_rollout(model_dir: str, n_groups: int = 16, G: int = 4, T: int = 14):
     return r, old, ref
 
 
-def reference_gradients(model_dir: str, r, old_NT1, ref_NT1, coefs) -> dict[str, torch.Tensor]:
-    """∇ of the whole batch's GRPO loss (token mean over its response tokens) at the HF model's
-    weights, in one process: HF forward, log_softmax(logits/τ) at the targets, grpo_token_loss."""
-    from ds_twocircuit.grpo.loss import grpo_token_loss
+def hf_logprobs(model_dir: str, r, temperature: float, weights: dict | None = None):
+    """(HF model, log softmax(logits/τ) at each target of `r`, (N, T−1), with grad): the model of
+    `model_dir`, with `weights` (HF name → tensor) loaded over it when given."""
     from ds_twocircuit.model.pipe import positions_from_mask
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if weights is not None:
+        hf.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
     logits = hf(input_ids=r.ids_NT, attention_mask=r.attn_NT, position_ids=positions_from_mask(r.attn_NT)).logits
-    logp = torch.log_softmax(logits[:, :-1] / TEMPERATURE, -1).gather(-1, r.ids_NT[:, 1:, None])[..., 0]
-    loss, sums = grpo_token_loss(logp, old_NT1, ref_NT1, r.adv_N, r.resp_NT1 / r.resp_NT1.sum(), coefs)
+    return hf, torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, r.ids_NT[:, 1:, None])[..., 0]
+
+
+def reference_gradients(model_dir: str, r, old_NT1, ref_NT1, coefs, temperature: float = TEMPERATURE,
+                        weights: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """∇ of the whole batch's GRPO loss (token mean over its response tokens) at the HF model's
+    weights (or `weights`), in one process: HF forward, log_softmax(logits/τ) at the targets,
+    grpo_token_loss; `old_NT1` None: π_old = π_θ (ρ = 1). → (HF name → gradient, the loss's sums)."""
+    from ds_twocircuit.grpo.loss import grpo_token_loss
+    hf, logp = hf_logprobs(model_dir, r, temperature, weights)
+    old = logp.detach() if old_NT1 is None else old_NT1
+    loss, sums = grpo_token_loss(logp, old, ref_NT1, r.adv_N, r.resp_NT1 / r.resp_NT1.sum(), coefs)
     loss.backward()
     return {n: q.grad.clone() for n, q in hf.named_parameters()}, {k: float(v) for k, v in sums.items()}
 

@@ -158,3 +158,55 @@ def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
     names = json.loads(state["tensors"])
     assert sorted(n for n in names if n.startswith("basis.")) == [f"basis.cut{l}" for l in range(7)]
     assert (sign_dir(mailbox, published_fires(mailbox)[-1]) / "bases.safetensors").is_file()
+
+
+def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):
+    """c = 1, K = 1 with the forecast (`anchor.forecast`), β_M = 0.3, sync; the trainer's PRF codec
+    on cut 3 alone (`codec.boundaries=[3]`), every second step dense (`train.dense_every=2`).
+
+    - fire t is held from step t on, at age 1 (it replays θ(t − 1));
+    - fire 3 replays θ̂ = θ(2) + (K/c)(θ(2) − θ(1)) on the batch θ(2) generated: its saved M equals
+      β_M·M(fire 2) + (1 − β_M)·G, G computed in this process with the HF model at θ̂ (from the
+      mailbox's θ files) plus `grpo_token_loss`, the reference from the base model. Bound 1e-6
+      absolute (measured 7.5e-9, max |M| 0.08): a memory that forgets M is off by β_M·M, swapped
+      coefficients by (1 − 2β_M)(M − G), a replay at θ(2) instead of θ̂ by 9.6e-3 (measured);
+    - the wire: cut 3 sends exactly k/d of the dense gradient bytes back, the other cuts and every
+      cut of a dense step all of them."""
+    import dist_objective as obj
+    from ds_twocircuit.anchor import mailbox as mb
+    from ds_twocircuit.grpo.loss import LossCoefs
+    from ds_twocircuit.grpo.rollouts import Rollout
+    beta = 0.3
+    launch(8, tmp_path, "codec.name=prf", "codec.boundaries=[3]", "train.dense_every=2", "anchor.enabled=true",
+           "anchor.mode=sync", "anchor.every=1", "anchor.staleness=1", "anchor.forecast=true", f"anchor.beta_m={beta}",
+           "train.steps=4", "train.eval_every=100", "train.probe_every=0")
+    r = rows(tmp_path)
+    assert [x["anchor/fire"] for x in r] == [0, 1, 2, 3] and [x["anchor/age"] for x in r] == [0, 1, 1, 1]
+    root = tmp_path / "anchor"
+    assert "fire 3: replayed θ̂ from θ(2), θ(1)" in (root / "anchor.log").read_text()
+    theta = {s: {n: t for i in range(8) for n, t in mb.read_theta(root, s, i).items()} for s in (1, 2)}
+    hat = {n: theta[2][n].float() + (theta[2][n].float() - theta[1][n].float()) for n in theta[2]}
+    batch = Rollout(**mb.read_tensors(mb.batch_path(root, 2), 2))
+    with torch.no_grad():
+        _, ref = obj.hf_logprobs(str(tiny_model), batch, 1.0)
+    g, _ = obj.reference_gradients(str(tiny_model), batch, None, ref, LossCoefs(kl_coef=0.01), 1.0, hat)
+    m2, m3 = (mb.read_tensors(mb.state_path(root, f), f) for f in (2, 3))
+    assert g.keys() == m3.keys()
+    for n in g:
+        torch.testing.assert_close(m3[n], beta * m2[n] + (1 - beta) * g[n], rtol=0, atol=1e-6, msg=n)
+    k, d = 2, 32                                         # keep_ratio 0.05 of 32 channels
+    for x in r:
+        per_cut = [x[f"codec/boundary{b}/bytes_bwd"] for b in range(7)]
+        dense = per_cut[0]
+        assert per_cut == [dense] * 3 + [dense if x["train/dense_step"] else dense * k / d] + [dense] * 3, per_cut
+    assert [x["train/dense_step"] for x in r] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_staleness_contract_at_c_equal_k_equal_2(anchored):
+    """The two-circuit reference run (sync, c = K = 2, 12 steps): fire f is adopted at step f and
+    replays θ(max(0, f − 2)), so the held fire is [0, 0, 2, 2, 4, 4, …] and the age t − (f − K)
+    [0, 1, 2, 3, 2, 3, …] (fire 2 still replays θ(0)). Holding fire 0 throughout gives the same ages
+    up to step 3 alone, so all 12 steps are pinned."""
+    r = rows(anchored)
+    assert [x["anchor/fire"] for x in r] == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
+    assert [x["anchor/age"] for x in r] == [0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3]

@@ -297,3 +297,20 @@ def test_replay_groups_are_a_keyed_share():
     assert len(a) == 8 and a == sorted(set(a)) and a == replay_groups(32, 0.25, 0, 5)
     assert a != replay_groups(32, 0.25, 0, 6) and a != replay_groups(32, 0.25, 1, 5)
     assert replay_groups(3, 0.01, 0, 0) != [] and len(replay_groups(3, 0.01, 0, 0)) == 1
+
+
+def test_memory_over_two_fires_is_the_closed_form():
+    """M_2 = β·(1 − β)·G_1 + (1 − β)·G_2, bit for bit as the update computes it. With G_2 = −G_1/2
+    and β = 0.75, M_2's sign is G_1's: the memory, not the last gradient, decides it (an update
+    that forgets M, or swaps the two coefficients, gives the opposite sign)."""
+    from ds_twocircuit.anchor.memory import update_memory
+    b = 0.75
+    g1 = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    g2 = -0.5 * g1
+    m1 = update_memory({}, {"w": g1}, b)
+    m2 = update_memory(m1, {"w": g2}, b)
+    assert torch.equal(m1["w"], (1 - b) * g1)
+    assert torch.equal(m2["w"], b * ((1 - b) * g1) + (1 - b) * g2)
+    torch.testing.assert_close(m2["w"], (1 - b) * (b * g1 + g2))
+    assert torch.equal(m2["w"] > 0, g1 > 0)
+    assert torch.equal(m1["w"], (1 - b) * g1)        # pure: the old M is left as it was

@@ -8,7 +8,7 @@ hosts. For each fire request, in fire order:
     θ      ← θ(s), s = max(0, f − K)                 (or θ̂ = θ(s) + (K/c)(θ(s) − θ(s−c)): forecast)
     G_anc  ← ∇ of the GRPO loss on the batch θ(s) generated, codec off, one forward + backward,
              reference = the base model, no optimizer step (passes.dense_gradient, as the probe)
-    M      ← β_M·M + (1 − β_M)·G_anc                 (fp32, per tensor; M = 0 before the first fire)
+    M      ← β_M·M + (1 − β_M)·G_anc                 (fp32, per tensor; M = 0 before the first fire; memory.py)
     out    ← sign(M), 1 bit per parameter, one file per trainer stage (sign.py, mailbox.py)
 
 With the lowrank codec each cut's basis is refreshed from the replay's activations X at that cut by
@@ -40,6 +40,7 @@ from ..grpo.loss import LossCoefs
 from ..grpo.rollouts import Rollout
 from . import mailbox as mb
 from .forecast import forecast, replay_groups
+from .memory import update_memory
 from .sign import pack_signs
 
 
@@ -140,9 +141,7 @@ class AnchorWorker:
         batch = Rollout(**mb.read_tensors(mb.batch_path(self.root, s), s))
         # the β step s trained with (the drift controller may have moved it)
         g = self.gradient(theta, batch, dataclasses.replace(self.coefs, kl_coef=req.get("kl_coef", self.coefs.kl_coef)))
-        b = self.tc.anchor.beta_m
-        for n, t in g.items():
-            self.M[n] = b * self.M[n] + (1 - b) * t if n in self.M else (1 - b) * t
+        self.M = update_memory(self.M, g, self.tc.anchor.beta_m)
         self._save_state(f)
         self._publish(f, layouts)
         self.done = f
