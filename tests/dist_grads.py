@@ -4,8 +4,9 @@ One train_batch of two micro-batches through a codec on every cut, with a fixed 
 logits; each stage writes the gradients its optimizer receives, under HF names, to
 OUT/k{spec}/grads_stage{s}.safetensors (several codecs in one launch). A spec is k of the PRF codec
 ("3"), or "r{m}x{b}[t{tile}]/{m}x{b}[t{tile}]": the rotated codec's forward and backward budgets
-("/q{r}": the backward's rank-r code; a trailing "g": Gaussian levels). `reference_grads` computes the same in one process with plain
-autograd through the same layer modules and the same codec state.
+("/q{r}": the backward's rank-r code; a trailing "g": Gaussian levels); a spec ending in "s" shares
+each group's prompt (grpo.share_prompts, groups of 2 rows). `reference_grads` computes the same in one
+process with plain autograd through the same layer modules and the same codec state.
 """
 import json
 import os
@@ -24,6 +25,7 @@ STEP = 3   # the masks' key step, in both the pipeline and the reference
 
 
 def make_codec(d: int, spec: str, split: list[int]) -> Codec:
+    spec = spec.removesuffix("s")
     if not spec.startswith("r"):
         return Codec(name="prf", d=d, k=int(spec), seed=5, cuts=cut_layers(split))
     fwd, bwd = spec[1:].split("/")
@@ -34,15 +36,22 @@ def make_codec(d: int, spec: str, split: list[int]) -> Codec:
                  bwd=budget("20x2" if rank else bwd), bwd_rank=rank)
 
 
-def micro_batches(vocab: int):
+def micro_batches(vocab: int, shared: bool = False):
+    """Two micro-batches of 2 rows × 6 columns with the linear loss's weights; `shared`: each micro-
+    batch is one group of 2 whose first P = 3 columns (one left pad, two prompt tokens) are equal."""
     g = torch.Generator().manual_seed(1)
     out = []
     for m in range(2):
         ids = torch.randint(3, vocab, (2, 6), generator=g)
         attn = torch.ones(2, 6, dtype=torch.long)
         attn[1, :2] = 0
+        extra = ()
+        if shared:
+            attn[:, :1], attn[1, 1] = 0, 1
+            ids[1, :3] = ids[0, :3]
+            extra = (torch.tensor([3, 2]),)
         r = torch.randn(2, 6, vocab, generator=g)
-        out.append(((ids, attn, torch.tensor([2 * m, 2 * m + 1])), r))
+        out.append(((ids, attn, torch.tensor([2 * m, 2 * m + 1]), *extra), r))
     return out
 
 
@@ -66,7 +75,7 @@ def reference_grads(model_dir: str, split: list[int], spec) -> dict[str, torch.T
             mods.append(s.build())
     total = 0.0
     with codec.keyed(STEP):
-        for inputs, r in micro_batches(config.vocab_size):
+        for inputs, r in micro_batches(config.vocab_size, str(spec).endswith("s")):
             x = inputs
             for m in mods:
                 x = m(x)
@@ -104,7 +113,7 @@ def main(model_dir, split_json, ks, out_dir):
             c.name, c.k, c.fwd, c.bwd, c.bwd_rank
         engine.reset_activation_shape()    # the payload's width changes with the codec
         with pipe.codec.keyed(STEP):
-            engine.train_batch(iter(micro_batches(config.vocab_size)))
+            engine.train_batch(iter(micro_batches(config.vocab_size, k.endswith("s"))))
         os.makedirs(f"{out_dir}/k{k.replace('/', '_')}", exist_ok=True)
         save_file(grads, f"{out_dir}/k{k.replace('/', '_')}/grads_stage{pipe.stage_id}.safetensors")
 

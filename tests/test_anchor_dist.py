@@ -162,16 +162,21 @@ def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
 
 def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):
     """c = 1, K = 1 with the forecast (`anchor.forecast`), β_M = 0.3, sync; the trainer's PRF codec
-    on cut 3 alone (`codec.boundaries=[3]`), every second step dense (`train.dense_every=2`).
+    on cut 3 alone (`codec.boundaries=[3]`), every second step dense (`train.dense_every=2`); each
+    group's prompt crossing every cut once (`grpo.share_prompts`, trainer and anchor); sampling
+    temperature 0.7, which every log-prob of the run must use.
 
     - fire t is held from step t on, at age 1 (it replays θ(t − 1));
     - fire 3 replays θ̂ = θ(2) + (K/c)(θ(2) − θ(1)) on the batch θ(2) generated: its saved M equals
       β_M·M(fire 2) + (1 − β_M)·G, G computed in this process with the HF model at θ̂ (from the
-      mailbox's θ files) plus `grpo_token_loss`, the reference from the base model. Bound 1e-6
+      mailbox's θ files) plus `grpo_token_loss` at τ = 0.7, the reference from the base model, with
+      nothing shared (the anchor is dense, so sharing changes only float order). Bound 1e-6
       absolute (measured 7.5e-9, max |M| 0.08): a memory that forgets M is off by β_M·M, swapped
       coefficients by (1 − 2β_M)(M − G), a replay at θ(2) instead of θ̂ by 9.6e-3 (measured);
     - the wire: cut 3 sends exactly k/d of the dense gradient bytes back, the other cuts and every
-      cut of a dense step all of them."""
+      cut of a dense step all of them;
+    - τ reaches every log-prob: at step 1 the policy is the reference (KL exactly 0, both through
+      the same masks), and on a dense step the sampler's log-probs are the pipeline's to float noise."""
     import dist_objective as obj
     from ds_twocircuit.anchor import mailbox as mb
     from ds_twocircuit.grpo.loss import LossCoefs
@@ -179,8 +184,11 @@ def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):
     beta = 0.3
     launch(8, tmp_path, "codec.name=prf", "codec.boundaries=[3]", "train.dense_every=2", "anchor.enabled=true",
            "anchor.mode=sync", "anchor.every=1", "anchor.staleness=1", "anchor.forecast=true", f"anchor.beta_m={beta}",
-           "train.steps=4", "train.eval_every=100", "train.probe_every=0")
+           "train.steps=4", "train.eval_every=100", "train.probe_every=0", "grpo.temperature=0.7",
+           "grpo.share_prompts=true")
     r = rows(tmp_path)
+    assert r[0]["actor/kl_loss"] == 0.0 and r[2]["actor/kl_loss"] > 0
+    assert abs(r[1]["rollout_corr/kl"]) < 1e-5 and abs(r[3]["rollout_corr/kl"]) < 1e-5 and r[2]["rollout_corr/kl"] > 1e-4
     assert [x["anchor/fire"] for x in r] == [0, 1, 2, 3] and [x["anchor/age"] for x in r] == [0, 1, 1, 1]
     root = tmp_path / "anchor"
     assert "fire 3: replayed θ̂ from θ(2), θ(1)" in (root / "anchor.log").read_text()
@@ -188,8 +196,8 @@ def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):
     hat = {n: theta[2][n].float() + (theta[2][n].float() - theta[1][n].float()) for n in theta[2]}
     batch = Rollout(**mb.read_tensors(mb.batch_path(root, 2), 2))
     with torch.no_grad():
-        _, ref = obj.hf_logprobs(str(tiny_model), batch, 1.0)
-    g, _ = obj.reference_gradients(str(tiny_model), batch, None, ref, LossCoefs(kl_coef=0.01), 1.0, hat)
+        _, ref = obj.hf_logprobs(str(tiny_model), batch, 0.7)
+    g, _ = obj.reference_gradients(str(tiny_model), batch, None, ref, LossCoefs(kl_coef=0.01), 0.7, hat)
     m2, m3 = (mb.read_tensors(mb.state_path(root, f), f) for f in (2, 3))
     assert g.keys() == m3.keys()
     for n in g:

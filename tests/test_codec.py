@@ -196,29 +196,47 @@ def test_generation_through_codec_keep_all_is_dense(tiny_model):
         assert torch.equal(model(**enc).logits, dense)          # hooks removed on exit
 
 
-@pytest.mark.parametrize("name", ["dense", "prf"])
+def round_trip(codec, x, pos, sid, layer=0):
+    """The unshared cut, sender to receiver: codec.wire_in(codec.wire_out(x)), with autograd through both."""
+    return codec.wire_in(codec.wire_out(x, pos, sid, layer), pos, sid, layer, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["dense", "prf", "rotated"])
 def test_a_shared_prompt_crosses_once_and_its_gradient_sums_over_the_group(name):
-    """Groups of G = 3 rows with equal prompt columns: the sender sends one prompt row per group; the
-    receiver's rebuilt input equals the unshared decode (dense: the input itself), and the gradient
-    the sender gets on a group's first row is the sum of the group's."""
+    """Groups of G = 3 rows with equal prompt columns: the sender sends one prompt row per group.
+    The receiver's prompt is the codec's round trip of the group's first row (keyed by its sample
+    id), repeated over the group; its response columns are each row's own round trip. Backward: the
+    sender's group's first prompt row gets the codec's VJP of the gradient summed over the group, the
+    other rows none there, and each row's response columns the VJP of its own gradient. The codec's
+    round trip and VJP are computed unshared, by autograd through wire_out and wire_in (dense: the
+    identity; PRF: the kept channels × d/k; rotated: its forward code and its backward code)."""
     from ds_twocircuit.codec import shared_prompts
+    from ds_twocircuit.codec.rotated import Budget
     B, T, d, P, G = 6, 5, 8, 3, 3
-    codec = Codec(name=name, d=d, k=2, seed=1, cuts={0})
+    extra = dict(fwd=Budget(d, 8, 4), bwd=Budget(d, 4, 2)) if name == "rotated" else {}
+    codec = Codec(name=name, d=d, k=2, seed=1, cuts={0}, **extra)
     prompt = torch.randn(B // G, 1, P, d).expand(B // G, G, P, d).reshape(B, P, d)
     h = torch.cat([prompt, torch.randn(B, T - P, d)], 1).requires_grad_()
     pos, sid = torch.arange(T).expand(B, T), torch.arange(B)
     wire = shared_prompts.send(codec, h, pos, sid, 0, P, G)
-    assert wire[0].shape[0] == B // G and wire[1].shape[:2] == (B, T - P)
-    x = shared_prompts.receive(codec, tuple(w.detach().requires_grad_(w.is_floating_point()) for w in wire),
-                               pos, sid, 0, torch.float32, P, G)
-    if name == "dense":
-        assert torch.equal(x, h.detach())
-    else:   # one code per group: the group's rows decode to the same prompt values
-        assert torch.equal(x[0:1, :P].expand(G, P, d), x[0:G, :P]) and not torch.equal(x[0, :P], x[G, :P])
-    g = torch.randn(B, T, d)
+    # one float tensor (DeepSpeed runs a stage's backward once per float it sent), one row per token:
+    # the groups' prompt tokens, then every row's response columns
+    assert [t.shape[0] for t in wire] == [B // G * P + B * (T - P)] * (2 if name == "rotated" else 1)
+    assert sum(t.is_floating_point() for t in wire) == 1 and shared_prompts.padded_length(wire, B, P, G) == T
     out = shared_prompts.receive(codec, wire, pos, sid, 0, torch.float32, P, G)
-    out.backward(g)
-    want = g[:, :P].reshape(B // G, G, P, d).sum(1)
+    head = h[::G, :P].detach().requires_grad_()
+    tail = h[:, P:].detach().requires_grad_()
+    want_head, want_tail = round_trip(codec, head, pos[::G, :P], sid[::G]), round_trip(codec, tail, pos[:, P:], sid)
+    assert torch.equal(out[:, :P], want_head.repeat_interleave(G, 0)) and torch.equal(out[:, P:], want_tail)
     if name == "dense":
-        torch.testing.assert_close(h.grad[::G, :P], want)
-        assert torch.equal(h.grad[1::G, :P], torch.zeros_like(want)) and torch.equal(h.grad[:, P:], g[:, P:])
+        assert torch.equal(out, h.detach())
+    else:   # a lossy code: one code per group, not the same for two groups
+        assert not torch.equal(out[0, :P], h[0, :P]) and not torch.equal(out[0, :P], out[G, :P])
+    g = torch.randn(B, T, d)
+    out.backward(g)
+    (want_head * g[:, :P].reshape(B // G, G, P, d).sum(1)).sum().backward()
+    (want_tail * g[:, P:]).sum().backward()
+    torch.testing.assert_close(h.grad[::G, :P], head.grad, rtol=1e-6, atol=1e-6)    # float order of the group sum
+    for j in range(1, G):
+        assert torch.equal(h.grad[j::G, :P], torch.zeros_like(head.grad))
+    assert torch.equal(h.grad[:, P:], tail.grad)

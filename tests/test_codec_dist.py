@@ -36,8 +36,12 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
     truncated SVD is ill-conditioned where two singular values nearly meet, so float-order
     differences of 1e-7 in a cut's gradient can move its bf16 factors by an ulp (Gaussian levels
     with rank 3 on this data: 0.8 % of the largest embedding gradient, measured). frontier_wide.json's
-    pair, Gaussian levels with rank 2 (r32x2t8g/q2), agrees to 1e-7 here and is pinned too."""
-    specs = ("3", "32", "r32x4/20x2", "r20x2/20x2", "r32x3t8/20x2t8", "r32x2t8g/20x2", "r32x4/q3", "r32x2t8g/q2")
+    pair, Gaussian levels with rank 2 (r32x2t8g/q2), agrees to 1e-7 here and is pinned too. With each
+    group's prompt shared ("3s", "r32x4/20x2s": the prompt crosses once per group, its gradient
+    summed over the group; what that equals unshared is test_codec.py's) the pipeline's transport of
+    the shared tuples gives the same gradients as the single process."""
+    specs = ("3", "32", "r32x4/20x2", "r20x2/20x2", "r32x3t8/20x2t8", "r32x2t8g/20x2", "r32x4/q3", "r32x2t8g/q2", "3s",
+             "r32x4/20x2s")
     p = subprocess.run(ds_cmd(8, "tests/dist_grads.py", tiny_model, json.dumps(SPLIT), ",".join(specs), tmp_path),
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -47,8 +51,10 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
             got.update(load_file(f))
         ref = reference_grads(tiny_model, SPLIT, k)
         assert got.keys() == ref.keys()
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=f"k={k} {n}")
+        for n in ref:   # float order: DeepSpeed accumulates the micro-batches' backwards, the reference
+            # runs one; measured ≤ 7e-7 of a tensor's largest element (PRF k = 3 with shared prompts)
+            atol = max(1e-6, 2e-6 * float(ref[n].abs().max()))
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=atol, msg=f"k={k} {n}")
 
 
 def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):

@@ -104,7 +104,7 @@ class Decoder(torch.nn.Module):
         *wire, rows = inputs        # (h, rows), or after a cut what the codec sent (wire_out)
         rows = rows.long()          # (B, 3) [first, last+1, sample id], + [P, G] with the prompt shared
         P, G = (int(rows[0, 3]), int(rows[0, 4])) if rows.shape[1] == 5 else (0, 0)
-        T = wire[0].shape[1] + (wire[1].shape[1] if P and self.decode_in else 0)
+        T = shared_prompts.padded_length(wire, len(rows), P, G) if P and self.decode_in else wire[0].shape[1]
         attn_BT, sid_B = mask_from_span(rows, T), rows[:, 2]
         pos_BT = positions_from_mask(attn_BT)
         h = wire[0]
