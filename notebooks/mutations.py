@@ -24,33 +24,87 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# id: (what it breaks, file, old text, new text, {"old": [tests], "new": [tests]})
+OBJECTIVE = "tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it"
+EQUIVALENCE = ["tests/test_pipeline.py::test_one_stage_equals_eight_stages",
+               "tests/test_pipeline.py::test_micro_batch_split_does_not_change_the_loss"]
+ANCHOR_NEW = "tests/test_anchor_dist.py::test_memory_forecast_and_a_codec_on_one_cut"
+
+
+def m(what, path, old, new, old_tests, new_tests, old_edit=None):
+    """A mutation: `old` → `new` in `path` (`old_edit` = (path, old, new) instead on the commit before
+    this change, where the code read otherwise); the tests each suite runs on it."""
+    return {"what": what, "edits": {"new": (path, old, new), "old": old_edit or (path, old, new)},
+            "tests": {"old": old_tests, "new": new_tests}}
+
+
 MUTATIONS = {
-    "loss_sign": ("the pipeline's GRPO loss returned negated", "ds_twocircuit/pipeline/passes.py",
-                  "return loss * self.scale", "return -loss * self.scale",
-                  {"old": ["tests/test_loss.py", "tests/test_pipeline.py::test_one_stage_equals_eight_stages",
-                           "tests/test_pipeline.py::test_micro_batch_split_does_not_change_the_loss",
-                           "tests/test_codec_dist.py::test_compressed_pipeline_gradients_equal_single_process_autograd"],
-                   "new": ["tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it"]}),
-    "adv_shift": ("advantages attached to the next row", "ds_twocircuit/pipeline/passes.py",
-                  "r.adv_N[s], old_NT1[s]", "r.adv_N.roll(1)[s], old_NT1[s]",
-                  {"old": ["tests/test_loss.py", "tests/test_pipeline.py::test_one_stage_equals_eight_stages",
-                           "tests/test_pipeline.py::test_micro_batch_split_does_not_change_the_loss"],
-                   "new": ["tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it"]}),
-    "loss_no_temperature": ("the update's loss ignores τ", "ds_twocircuit/pipeline/passes.py",
-                            "token_logprobs(logits_BTV[:, :-1], targets, self.temperature)",
-                            "token_logprobs(logits_BTV[:, :-1], targets, 1.0)",
-                            {"old": ["tests/test_loss.py", "tests/test_pipeline.py::test_one_stage_equals_eight_stages"],
-                             "new": ["tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it"]}),
-    "clip_not_applied": ("the true-norm clip reads the norm and scales nothing", "ds_twocircuit/pipeline/clip.py",
-                         "p.grad.mul_(coef)", "p.grad.mul_(1.0)",
-                         {"old": ["tests/test_pipeline.py::test_one_stage_equals_eight_stages"],
-                          "new": ["tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it",
-                                  "tests/test_pipeline.py::test_eight_stages_take_grpo_steps_and_export"]}),
-    "clip_own_stage": ("the clip's norm counts this stage only", "ds_twocircuit/pipeline/clip.py",
-                       "dist.all_reduce(sq, group=self.group)", "pass",
-                       {"old": ["tests/test_pipeline.py::test_one_stage_equals_eight_stages"],
-                        "new": ["tests/test_pipeline.py::test_the_grpo_objective_as_the_pipeline_applies_it"]}),
+    "loss_sign": m("the pipeline's GRPO loss returned negated", "ds_twocircuit/pipeline/passes.py",
+                   "return loss * self.scale", "return -loss * self.scale",
+                   ["tests/test_loss.py", *EQUIVALENCE,
+                    "tests/test_codec_dist.py::test_compressed_pipeline_gradients_equal_single_process_autograd"],
+                   [OBJECTIVE]),
+    "adv_shift": m("advantages attached to the next row", "ds_twocircuit/pipeline/passes.py",
+                   "r.adv_N[s], old_NT1[s]", "r.adv_N.roll(1)[s], old_NT1[s]", ["tests/test_loss.py", *EQUIVALENCE],
+                   [OBJECTIVE]),
+    "loss_no_temperature": m("the update's loss ignores τ", "ds_twocircuit/pipeline/passes.py",
+                             "token_logprobs(logits_BTV[:, :-1], targets, self.temperature)",
+                             "token_logprobs(logits_BTV[:, :-1], targets, 1.0)",
+                             ["tests/test_loss.py", *EQUIVALENCE], [OBJECTIVE]),
+    "clip_not_applied": m("the true-norm clip reads the norm and scales nothing", "ds_twocircuit/pipeline/clip.py",
+                          "p.grad.mul_(coef)", "p.grad.mul_(1.0)", EQUIVALENCE[:1],
+                          [OBJECTIVE, "tests/test_pipeline.py::test_eight_stages_take_grpo_steps_and_export"]),
+    "clip_own_stage": m("the clip's norm counts this stage's gradient only", "ds_twocircuit/pipeline/clip.py",
+                        "dist.all_reduce(sq, group=self.group)", "pass", EQUIVALENCE[:1], [OBJECTIVE]),
+    "memory_forgets": m("the anchor's M is the last fire's (1 − β)G alone", "ds_twocircuit/anchor/memory.py",
+                        "beta * M[n] + (1 - beta) * g if n in M else (1 - beta) * g", "(1 - beta) * g",
+                        ["tests/test_anchor_math.py", "tests/test_anchor_dist.py"],
+                        ["tests/test_anchor_math.py::test_memory_over_two_fires_is_the_closed_form", ANCHOR_NEW],
+                        old_edit=("ds_twocircuit/anchor/worker.py",
+                                  "b * self.M[n] + (1 - b) * t if n in self.M else (1 - b) * t", "(1 - b) * t")),
+    "memory_swapped": m("M ← (1 − β)M + βG", "ds_twocircuit/anchor/memory.py",
+                        "beta * M[n] + (1 - beta) * g if n in M", "(1 - beta) * M[n] + beta * g if n in M",
+                        ["tests/test_anchor_math.py", "tests/test_anchor_dist.py"],
+                        ["tests/test_anchor_math.py::test_memory_over_two_fires_is_the_closed_form", ANCHOR_NEW],
+                        old_edit=("ds_twocircuit/anchor/worker.py", "b * self.M[n] + (1 - b) * t if n in self.M",
+                                  "(1 - b) * self.M[n] + b * t if n in self.M")),
+    "forecast_ignored": m("the anchor replays θ(t − K), never θ̂", "ds_twocircuit/anchor/worker.py",
+                          'if req.get("older_step") is not None:', "if False:",
+                          ["tests/test_anchor_math.py", "tests/test_anchor_dist.py"], [ANCHOR_NEW]),
+    "anchor_no_temperature": m("the anchor's replay at τ = 1", "ds_twocircuit/anchor/worker.py",
+                               'one.codec.name = "dense"', 'one.codec.name = "dense"; one.grpo.temperature = 1.0',
+                               ["tests/test_anchor_dist.py"], [ANCHOR_NEW]),
+    "sign_adopted_late": m("a fire adopted K steps after it is due", "ds_twocircuit/anchor/link.py",
+                           "ready = [f for f in mb.published_fires(self.root) if f <= t]",
+                           "ready = [f for f in mb.published_fires(self.root) if f <= t - self.a.staleness]",
+                           ["tests/test_anchor_dist.py", "tests/test_faults.py::test_two_replicas_equal_one_on_the_same_global_batch"],
+                           ["tests/test_anchor_dist.py::test_the_staleness_contract_at_c_equal_k_equal_2"]),
+    "dense_every_ignored": m("train.dense_every never runs a dense step", "ds_twocircuit/trainer.py",
+                             "dense = bool(every) and (t + 1) % every == 0", "dense = False",
+                             ["tests/test_codec_dist.py::test_prf_wire_ratio_and_same_masks_across_passes"], [ANCHOR_NEW]),
+    "boundaries_ignored": m("codec.boundaries compresses every cut", "ds_twocircuit/codec/geometry.py",
+                            'return cut_layers(layers_per_stage) if boundaries == "all" else list(boundaries)',
+                            "return cut_layers(layers_per_stage)",
+                            ["tests/test_codec.py", "tests/test_config.py"], [ANCHOR_NEW]),
+    "shared_head_misplaced": m("the receiver decodes a shared prompt at the wrong positions",
+                               "ds_twocircuit/codec/shared_prompts.py",
+                               "pos_BT[::G, :P], sid_B[::G], layer, dtype)", "pos_BT[::G, :P] + 1, sid_B[::G], layer, dtype)",
+                               ["tests/test_codec.py", "tests/test_savings.py"],
+                               ["tests/test_codec.py::test_a_shared_prompt_crosses_once_and_its_gradient_sums_over_the_group"]),
+    "ppo_epochs_ignored": m("grpo.ppo_epochs > 1 runs one epoch", "ds_twocircuit/actor.py",
+                            "for _ in range(ppo_epochs):", "for _ in range(1):",
+                            ["tests/test_pipeline.py::test_several_ppo_mini_batches_use_pipeline_old_logprobs"],
+                            ["tests/test_pipeline.py::test_several_ppo_mini_batches_use_pipeline_old_logprobs"]),
+    "prf_indices_sent": m("PRF sends each token's kept indices beside its values", "ds_twocircuit/codec/boundary.py",
+                          "return (self.encode(x_BTD, pos_BT, sid_B, layer),)",
+                          "return (self.encode(x_BTD, pos_BT, sid_B, layer), *((prf.kept_for(self.seed, layer, self._step, "
+                          "sid_B, pos_BT, self.d, self.k),) if self.name == 'prf' and self.active(layer) else ()))",
+                          ["tests/test_codec_dist.py::test_prf_wire_ratio_and_same_masks_across_passes"],
+                          ["tests/test_codec_dist.py::test_prf_wire_ratio_and_same_masks_across_passes"]),
+    "checkpoint_off": m("activation checkpointing silently off: the checkpoint function runs the layers plainly",
+                        "ds_twocircuit/model/pipe.py", 'checkpointable_layers=["Decoder"], **kw)',
+                        'checkpointable_layers=["Decoder"], activation_checkpoint_func=lambda f, *a: f(*a), **kw)',
+                        ["tests/test_codec_dist.py::test_activation_checkpointing_recomputes_the_same_codes"],
+                        ["tests/test_codec_dist.py::test_activation_checkpointing_recomputes_the_same_codes"]),
 }
 
 
@@ -58,7 +112,9 @@ def run(commit: str, suite: str, only: list[str], out: pathlib.Path) -> list[dic
     results = []
     subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
     cache = os.environ.setdefault("DS_TWOCIRCUIT_TEST_CACHE", str(pathlib.Path(tempfile.gettempdir()) / "mutcache"))
-    for mid, (what, path, old, new, tests) in MUTATIONS.items():
+    for mid, mut in MUTATIONS.items():
+        what, tests = mut["what"], mut["tests"]
+        path, old, new = mut["edits"][suite]
         if only and mid not in only:
             continue
         tree = pathlib.Path(tempfile.mkdtemp(prefix=f"mut-{mid}-"))

@@ -21,7 +21,8 @@ def test_tokenizer_round_trip(tmp_path):
 
 def test_tiny_model_is_cached_and_warm(tiny_model, cache_dir):
     info = json.loads((cache_dir.glob("tiny-*/warmup.json").__next__()).read_text())
-    assert info["num_layers"] == 8 and 0.0 <= info["held_out_acc"] <= 1.0
+    # warm: 0.17 on its 64 held-out problems (measured 2026-12-06; ±0.05 binomial), 0.0 unwarmed
+    assert info["num_layers"] == 8 and 0.1 <= info["held_out_acc"] <= 1.0, info
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and info["torch"] == torch.__version__
     weights = pathlib.Path(tiny_model) / "model.safetensors"
     assert weights.parent.parent == cache_dir

@@ -99,14 +99,17 @@ def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
 
 
 def test_several_ppo_mini_batches_use_pipeline_old_logprobs(eight, tmp_path):
-    """Two PPO mini-batches per rollout: π_old comes from a pipeline eval pass before any update.
+    """Two PPO mini-batches per rollout, two epochs over them: π_old comes from a pipeline eval pass
+    before any update, and the optimizer steps 2 × 2 times per rollout step (DeepSpeed's own count).
     The first mini-batch's train pass sees the same weights, so its ratio is exactly 1 on every
     token (Σ w·|log ρ| = 0, not merely small); the second sees the policy the first update moved
     (the step's mean ppo_kl is its alone, and non-zero); the eval pass's π_old equals the sampler's
     recompute of the same weights (HF, fp32) to float noise."""
-    launch(8, tmp_path, "grpo.ppo_mini_batches=2", "train.steps=2")
+    launch(8, tmp_path, "grpo.ppo_mini_batches=2", "grpo.ppo_epochs=2", "train.steps=2")
     r = rows(tmp_path)
     assert len(r) == 2
+    state = torch.load(tmp_path / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["global_steps"] == 2 * 2 * 2 and state["skipped_steps"] == 0
     assert [x["actor/first_update_abs_log_ratio"] for x in r] == [0.0, 0.0]
     assert all(x["actor/ppo_kl"] != 0.0 and math.isfinite(x["actor/ppo_kl"]) for x in r)
     assert all(abs(x["rollout_corr/kl"]) < 1e-5 and x["rollout_corr/logp_diff_mean"] < 1e-5 for x in r)
