@@ -119,6 +119,9 @@ class Decoder(torch.nn.Module):
         if self.encode_out:
             out = (shared_prompts.send(self.codec, h, pos_BT, sid_B, self.layer_idx, P, G) if P else
                    self.codec.wire_out(h, pos_BT, sid_B, self.layer_idx))
+            # DeepSpeed runs the stage's backward once per float tensor sent and adds the passes'
+            # input gradients: with two, codes that are not numbers (rotated) would be added
+            assert sum(t.is_floating_point() for t in out) == 1, [t.dtype for t in out]
             return (*out, rows.int())
         return h, rows.int()
 
