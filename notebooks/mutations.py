@@ -134,11 +134,16 @@ def run(commit: str, suite: str, only: list[str], out: pathlib.Path, tests_overr
             p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *chosen],
                                cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), "DS_TWOCIRCUIT_TEST_CACHE": cache},
                                capture_output=True, text=True)
-            # FAIL only where a test failed; a suite that could not run (collection, setup) is an error
-            verdict = "PASS" if p.returncode == 0 else "FAIL" if p.returncode == 1 else f"ERROR rc={p.returncode}"
+            # FAIL only where a test failed; a suite that could not run (collection, fixture setup, a
+            # launch that never started) is an error, not a catch. Run the unmutated suite once first
+            # (plain pytest) so that a failure here is the mutation's.
+            summary = (p.stdout.strip().splitlines() or [""])[-1]
+            verdict = ("PASS" if p.returncode == 0 else "FAIL" if p.returncode == 1 and " error" not in summary
+                       else f"ERROR rc={p.returncode}")
             tail = [l for l in p.stdout.splitlines() if l.startswith(("FAILED", "ERROR"))][:3]
             why = [l[:200] for l in p.stdout.splitlines() if l.startswith("E ")][:2] or p.stderr.splitlines()[-2:]
-            results.append({"id": mid, "what": what, "suite": suite, "commit": commit, "verdict": verdict,
+            sha = subprocess.run(["git", "rev-parse", commit], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+            results.append({"id": mid, "what": what, "suite": suite, "commit": sha, "verdict": verdict,
                             "tests": chosen, "failed": tail, "why": why, "seconds": round(time.time() - t0)})
             print(f"{mid:24s} {suite}: {verdict} ({round(time.time() - t0)} s) {' '.join(tail)} {' | '.join(why)}", flush=True)
         finally:

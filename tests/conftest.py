@@ -154,13 +154,15 @@ def assert_rows_close(a: list[dict], b: list[dict], keys, rel_tol: float, abs_to
     caller states why its bound. DS_TWOCIRCUIT_TEST_RECORD=FILE appends the largest relative
     difference seen per key (how the bounds were measured)."""
     assert len(a) == len(b) and a, (len(a), len(b))
+    missing = [k for k in keys if not any(k in r for r in a + b)]
+    assert not missing, f"keys logged by neither run: {missing}"
     worst = {}
     for ra, rb in zip(a, b):
         for k in keys:
-            if k in ra or k in rb:
+            if k in ra or k in rb:     # on the steps that log it (probe keys), in both runs
+                assert math.isclose(ra[k], rb[k], rel_tol=rel_tol, abs_tol=abs_tol), (ra["step"], k, ra[k], rb[k])
                 if max(abs(ra[k]), abs(rb[k])) > 100 * abs_tol:    # not float noise around 0
                     worst[k] = max(worst.get(k, 0.0), abs(ra[k] - rb[k]) / abs(ra[k]))
-                assert math.isclose(ra[k], rb[k], rel_tol=rel_tol, abs_tol=abs_tol), (ra["step"], k, ra[k], rb[k])
     if os.environ.get("DS_TWOCIRCUIT_TEST_RECORD"):
         import inspect
         with open(os.environ["DS_TWOCIRCUIT_TEST_RECORD"], "a") as f:

@@ -26,6 +26,16 @@ def test_same_weights_rejects_one_adam_step_and_accepts_float_noise(name):
             assert_same_weights(*weights_pair(name, delta), lr=LR, steps=STEPS)
 
 
+def test_rows_close_rejects_a_difference_and_a_key_nobody_logged():
+    from conftest import assert_rows_close
+    a = [{"step": 1, "actor/pg_loss": 0.5}, {"step": 2, "actor/pg_loss": 0.25}]
+    assert_rows_close(a, [dict(r) for r in a], ["actor/pg_loss"], rel_tol=1e-4)
+    with pytest.raises(AssertionError):
+        assert_rows_close(a, [a[0], {"step": 2, "actor/pg_loss": 0.2501}], ["actor/pg_loss"], rel_tol=1e-4)
+    with pytest.raises(AssertionError, match="logged by neither"):
+        assert_rows_close(a, a, ["actor/pg_loss", "actor/renamed"], rel_tol=1e-4)
+
+
 def test_clipped_norms_reject_a_clip_that_does_not_scale():
     rows = [{"step": 1, "actor/grad_norm": 0.30, "actor/grad_norm_clipped": 0.05},
             {"step": 2, "actor/grad_norm": 0.04, "actor/grad_norm_clipped": 0.04}]

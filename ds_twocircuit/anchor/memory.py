@@ -12,5 +12,5 @@ import torch
 
 
 def update_memory(M: dict[str, torch.Tensor], G: dict[str, torch.Tensor], beta: float) -> dict[str, torch.Tensor]:
-    """One fire: → the new M over G's names (a name M lacks starts from 0). Pure: M is not changed."""
-    return {n: beta * M[n] + (1 - beta) * g if n in M else (1 - beta) * g for n, g in G.items()}
+    """One fire: → the new M (a name M lacks starts from 0; one G lacks keeps its M). Pure: M is not changed."""
+    return {**M, **{n: beta * M[n] + (1 - beta) * g if n in M else (1 - beta) * g for n, g in G.items()}}

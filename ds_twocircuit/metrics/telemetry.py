@@ -113,14 +113,18 @@ def finish_wire(r: dict[str, float], num_stages: int) -> dict[str, float]:
 
 
 def stepped_partials(sq: list[float], updates: int) -> dict[str, float]:
-    """This rank's Σ g² after the clip of each of the step's `updates` optimizer steps (0 for one
-    that was skipped: none ran)."""
+    """This rank's Σ g² after the clip of each of the step's `updates` optimizer steps (a skipped
+    step records none: the trainer logs NaN then). More entries than steps (an optimizer stepping
+    several parameter groups one by one) cannot be assigned to steps: NaN, not a wrong number."""
+    if len(sq) > updates:
+        return {f"actor/_stepped_sq/{i}": float("nan") for i in range(updates)}
     return {f"actor/_stepped_sq/{i}": sq[i] if i < len(sq) else 0.0 for i in range(updates)}
 
 
 def finish_stepped(r: dict[str, float]) -> dict[str, float]:
-    """actor/grad_norm_clipped: the global norm of the gradient the optimizer stepped from, after
-    the clip, mean over the step's optimizer steps (min(actor/grad_norm, gradient_clipping))."""
+    """actor/grad_norm_clipped: the global norm of the gradient the optimizer steps from, after the
+    clip and before the anchor's sign correction, mean over the step's optimizer steps; with one
+    optimizer step per rollout step, min(actor/grad_norm, gradient_clipping)."""
     sq = [v for k, v in r.items() if k.startswith("actor/_stepped_sq/")]
     return {"actor/grad_norm_clipped": sum(v ** 0.5 for v in sq) / len(sq)} if sq else {}
 
