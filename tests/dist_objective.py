@@ -35,13 +35,13 @@ def make_rollout(model_dir: str, n_groups: int = 16, G: int = 4, T: int = 14):
     left-padded prompt of 2–6 tokens in P = 6 columns, responses of 1–8 tokens right-padded to T,
     advantages ~ N(0, 1), and π_old, π_ref = log π_θ(τ) of the HF model + noise of 0.6 and 0.3 nats
     on the response targets. → (Rollout, old_NT1, ref_NT1)."""
+    import dataclasses
+
     from ds_twocircuit.grpo.rollouts import Rollout
-    from ds_twocircuit.model.pipe import positions_from_mask
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     g = torch.Generator().manual_seed(7)
     N, P = n_groups * G, 6
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    V = hf.config.vocab_size
+    V = AutoConfig.from_pretrained(model_dir).vocab_size
     ids, attn, resp = torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T, dtype=torch.long), torch.zeros(N, T - 1)
     for b in range(n_groups):
         lp = int(torch.randint(2, P + 1, (1,), generator=g))
@@ -51,20 +51,20 @@ def make_rollout(model_dir: str, n_groups: int = 16, G: int = 4, T: int = 14):
             ids[i, P - lp:P], attn[i, P - lp:P + lr] = prompt, 1
             ids[i, P:P + lr] = torch.randint(1, V, (lr,), generator=g)
             resp[i, P - 1:P - 1 + lr] = 1.0           # target column j scores ids[:, j+1]
+    r = Rollout(ids_NT=ids, attn_NT=attn, resp_NT1=resp, sampler_logp_NT1=torch.zeros_like(resp),
+                rewards_N=torch.zeros(N), adv_N=torch.zeros(N), sample_id_N=torch.arange(N))
     with torch.no_grad():
-        logits = hf(input_ids=ids, attention_mask=attn, position_ids=positions_from_mask(attn)).logits
-        logp = torch.log_softmax(logits[:, :-1] / TEMPERATURE, -1).gather(-1, ids[:, 1:, None])[..., 0] * resp
+        logp = hf_logprobs(model_dir, r, TEMPERATURE)[1] * resp
     old = (logp + 0.6 * torch.randn(N, T - 1, generator=g)) * resp
     ref = (logp + 0.3 * torch.randn(N, T - 1, generator=g)) * resp
     adv = torch.randn(N, generator=g)
-    r = Rollout(ids_NT=ids, attn_NT=attn, resp_NT1=resp, sampler_logp_NT1=logp, rewards_N=torch.zeros(N),
-                adv_N=adv, sample_id_N=torch.arange(N))
-    return r, old, ref
+    return dataclasses.replace(r, sampler_logp_NT1=logp, adv_N=adv), old, ref
 
 
 def hf_logprobs(model_dir: str, r, temperature: float, weights: dict | None = None):
     """(HF model, log softmax(logits/τ) at each target of `r`, (N, T−1), with grad): the model of
-    `model_dir`, with `weights` (HF name → tensor) loaded over it when given."""
+    `model_dir`, with `weights` (HF name → tensor) loaded over it when given. Written out here, not
+    grpo.loss.token_logprobs, so that the reference shares no code with the pipeline's loss path."""
     from ds_twocircuit.model.pipe import positions_from_mask
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
