@@ -122,6 +122,11 @@ class SteppedNorm:
 
     @torch.no_grad()
     def record(self) -> None:
-        if self._sq is not None:
-            g2 = [g.double().pow(2).sum() for _, g, _, counted in self.views if counted]
-            self._sq.append(float(sum(g2)) if g2 else 0.0)
+        if self._sq is None:
+            return
+        sq = torch.zeros((), dtype=torch.float64)
+        for _, g, _, counted in self.views:
+            if counted:
+                gd = g.double()      # one float64 copy per tensor, no second temporary for g²
+                sq += gd @ gd
+        self._sq.append(float(sq))
