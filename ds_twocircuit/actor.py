@@ -94,7 +94,7 @@ class Actor:
         with p.codec.off(), self.wire.counting() as wire:
             dense = passes.logprobs(p, mb)
             ref = sampler_ref if sampler_ref is not None else passes.logprobs(p, mb, self.base)
-            view["actor/kl_loss"] = float((w * k3_kl(dense, ref)).sum())   # the true drift
+            view["actor/kl_loss"] = float((w * k3_kl(dense, ref, w > 0)).sum())   # the true drift
             if p.per_param_grads:
                 grads, sums = passes.dense_gradient(p, mb, ntok, ref, coefs)
                 view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
@@ -130,20 +130,22 @@ class Actor:
                     dots = dots or d
         if on_policy and p.last_stage:
             olds = [updates[0].old_logp]
-        partials = self._partials(counts, updates, shards, kept, olds, on_policy, dots)
+        partials = self._partials(counts, updates, shards, kept, olds, on_policy, dots, coefs.kl_coef > 0)
         partials.update(telemetry.stepped_partials(stepped_sq, len(updates)))
         if probe is not None:
             partials.update(probe.partials)
         grad_norm = float("nan") if counts.verdict.skipped else float(np.mean([u.grad_norm for u in updates]))
         return partials, grad_norm, counts.verdict
 
-    def _partials(self, counts: StepCounts, updates, shards, kept, olds, on_policy: bool, dots) -> dict:
-        """This rank's metric partials of an update (metrics/telemetry.py sums them over ranks)."""
+    def _partials(self, counts: StepCounts, updates, shards, kept, olds, on_policy: bool, dots, kl: bool) -> dict:
+        """This rank's metric partials of an update (metrics/telemetry.py sums them over ranks);
+        `kl`: the loss has its KL term (β > 0), so actor/kl_loss is one of them."""
         p = self.p
         # the means over the tokens that entered the passes: the kept ones' count
         means = shards if kept is None else [(mb, k) for (mb, _), k in zip(shards, kept)]
         scale = [1.0] * len(shards) if kept is None else [ntok / k if k else 0.0 for (_, ntok), k in zip(shards, kept)]
-        partials = telemetry.owned(telemetry.LOSSES, _loss_sums(updates, scale) if p.last_stage else None)
+        losses = [k for k in telemetry.LOSSES if kl or k != "actor/kl_loss"]
+        partials = telemetry.owned(losses, _loss_sums(updates, scale) if p.last_stage else None)
         if not on_policy:
             first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"] * scale[0]} if p.last_stage else None
             partials.update(telemetry.owned([telemetry.FIRST_RATIO], first))

@@ -11,10 +11,10 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from .pipeline.calibration import calibration_batch
-from .pipeline.comm import broadcast_tensors
+from .pipeline import comm
+from .run.faults import slow_point
 from .data import build_task, step_rows
 from .grpo.advantages import group_advantages
 from .grpo.rollouts import Rollout
@@ -46,14 +46,17 @@ class RolloutSide:
     def calibration(self, micro: int) -> Rollout:
         """The lowrank codec's calibration batch (pipeline/calibration.py), on every rank."""
         ts = calibration_batch(self.tokenizer, self.task, micro).tensors() if self.task is not None else None
-        return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
+        return Rollout.from_tensors(comm.broadcast_tensors(ts, len(Rollout.__dataclass_fields__), host=True))
 
-    def rollout(self, t: int) -> Rollout:
-        """Step t's batch: rank 0 samples and scores; every rank receives it."""
+    def rollout(self, t: int) -> tuple[Rollout, int]:
+        """Step t's batch: rank 0 samples and scores; every rank receives it (on the device path, read
+        on the host) → (it, the bytes of one copy)."""
         ts = self._sample(t).tensors() if self.task is not None else None
-        return Rollout.from_tensors(broadcast_tensors(ts, len(Rollout.__dataclass_fields__)))
+        ts = comm.broadcast_tensors(ts, len(Rollout.__dataclass_fields__), host=True)
+        return Rollout.from_tensors(ts), comm.nbytes(ts)
 
     def _sample(self, t: int) -> Rollout:
+        slow_point("sample", t)
         g = self.tc.grpo
         rows = self.task.train.select(step_rows(len(self.task.train), g.prompts_per_step, self.tc.train.seed, t))
         with all_threads():
@@ -76,8 +79,7 @@ class RolloutSide:
                 flat = pack(self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature), r.resp_NT1)
         else:
             flat = torch.empty(int((r.resp_NT1 > 0).sum()))
-        dist.broadcast(flat, src=0)
-        return unpack(flat, r.resp_NT1)
+        return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
 
     def sync(self, weight_sync: WeightSync, ships: bool) -> tuple[dict | None, dict]:
         """The stages' weights to the sampler as deltas in its dtype (sync/weight_sync.py), every rank taking

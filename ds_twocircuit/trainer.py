@@ -15,7 +15,7 @@
             ─► dense weights to the sampler (sync/) ─► the step's row on rank 0      (step_log.py)
 
 A dense step (`train.dense_every`, or the drift controller's) runs every pass of its step with the
-codec off; with `control.*` on, the controller (control.py) reads the probe and sets β and which
+codec off and steps its gradient without the anchor's sign correction (exact, it needs none); with `control.*` on, the controller (control.py) reads the probe and sets β and which
 steps run dense. A "step" is one rollout iteration; at the default one PPO mini-batch it is one
 optimizer step. `Trainer` holds the components, each on every rank: the rollout side, the actor,
 the checkpointer, the step log (a do-nothing twin off rank 0), the anchor link and the weight sync.
@@ -23,6 +23,7 @@ the checkpointer, the step log (a do-nothing twin off rank 0), the anchor link a
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import time
 
@@ -37,12 +38,14 @@ from .anchor.link import AnchorLink
 from .pipeline.calibration import initial_bases
 from .run.checkpoint import Checkpointer
 from .config import RunConfig, as_dict
+from .pipeline import comm
 from .pipeline.engine import build_pipeline
 from .pipeline.guard import TrainingStopped, Verdict
 from .grpo.loss import LossCoefs
 from .grpo.rollouts import minibatch_shards, nonzero_advantage_tokens, response_lengths, shard_slices
-from .model.weights import export_pipeline
+from .model.weights import write_index, write_stage_shard
 from .rollout_side import RolloutSide
+from .sampler import eos_ids
 from .step_log import NoStepLog, StepLog
 from .sync.weight_sync import WeightSync
 
@@ -54,7 +57,7 @@ class Trainer:
         p = build_pipeline(model_dir, tc, run.ds)
         self.actor = Actor(p, tc.anchor.alpha if tc.anchor.enabled else None)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_id = tokenizer.eos_token_id
+        self.eos_ids = eos_ids(model_dir, tokenizer)
         self.rollouts = RolloutSide(tc, model_dir, tokenizer, sampling=dist.get_rank() == 0)
         if tc.codec.name == "lowrank":
             initial_bases(p, self.rollouts.calibration(p.micro))
@@ -79,7 +82,7 @@ class Trainer:
         restored = link.restore(held_fire) if held_fire is not None else None
         if restored and restored.bases:
             p.codec.set_bases(restored.bases)
-        return link, restored.bits if restored else None
+        return link, restored.signs if restored else None
 
     def run(self) -> None:
         steps, train = self.tc.train.steps, self.tc.train
@@ -108,8 +111,20 @@ class Trainer:
                 if self.anchor:
                     self.anchor.checkpointed(done)
         p = self.actor.p
-        export_pipeline(p.pipe, p.dp_rank, self.run_dir / "model", self.model_dir)
+        self.export(self.run_dir / "model")
         self.close()
+
+    def export(self, out_dir: pathlib.Path) -> None:
+        """The pipeline's weights as an HF checkpoint (every rank): each stage of data-parallel
+        replica 0 writes its shard, then global rank 0 the index, config, tokenizer and generation config."""
+        pipe = self.actor.p.pipe
+        if self.actor.p.dp_rank == 0:
+            mine = pipe.hf_parameters()
+            write_stage_shard(out_dir, pipe.stage_id, pipe.num_stages,
+                              {n: mine[n] for n in pipe.hf_names_per_stage()[pipe.stage_id]})
+        comm.barrier()
+        if dist.get_rank() == 0:
+            write_index(out_dir, pipe.hf_names_per_stage(), pipe.config, self.model_dir)
 
     def close(self) -> None:
         if self.anchor:
@@ -122,14 +137,14 @@ class Trainer:
         steps were skipped, the same on every rank)."""
         g, p = self.tc.grpo, self.actor.p
         t0 = time.perf_counter()
-        rollout = self.rollouts.rollout(t)
+        rollout, rollout_bytes = self.rollouts.rollout(t)
         ref_NT1 = self.rollouts.reference_logprobs(rollout, needed=self.coefs.kl_coef > 0 or self.probe_step(t))
         t1 = time.perf_counter()
         anchor_row = {}
         if self.anchor:
             new, anchor_row = self.anchor.step(t, self.theta, rollout, self.coefs.kl_coef)
             if new:
-                self.sign = new.bits
+                self.sign = new.signs
                 if new.bases:
                     p.codec.set_bases(new.bases)
         t2 = time.perf_counter()
@@ -139,9 +154,11 @@ class Trainer:
         probe = self.actor.probe(shards[0], refs[0] if refs else None, self.coefs) if self.probe_step(t) else None
         dense = self.dense_step(t)
         kept = nonzero_advantage_tokens(rollout, g.ppo_mini_batches) if g.skip_zero_advantage else None
-        with p.codec.off() if dense else contextlib.nullcontext():   # dense step: every pass uncompressed
-            partials, grad_norm, verdict = self.actor.update(t, shards, probe, refs, kept, self.coefs, self.sign,
-                                                             g.ppo_epochs)
+        # a dense step runs every pass uncompressed and steps its true gradient: the sign correction,
+        # there to undo the codec's damage, would re-sign it by another batch's stale momentum
+        with p.codec.off() if dense else contextlib.nullcontext():
+            partials, grad_norm, verdict = self.actor.update(t, shards, probe, refs, kept, self.coefs,
+                                                             None if dense else self.sign, g.ppo_epochs)
         sums = telemetry.sum_to_rank0(partials)
         t3 = time.perf_counter()
         self.theta, sync_row = self.sync_sampler(t + 1)
@@ -157,8 +174,8 @@ class Trainer:
         return {"step": t + 1, **finished,
                 "critic/score/mean": float(rollout.rewards_N.mean()),   # the whole batch, every replica's
                 **telemetry.group_shares(rollout.rewards_N, g.group_size, g.skip_zero_advantage),
-                **telemetry.reference_bytes(ref_NT1, rollout.resp_NT1),
-                **response_lengths(rollout, self.eos_id, g.max_new_tokens),
+                **telemetry.reference_bytes(ref_NT1, rollout.resp_NT1), "rollout/bytes": float(rollout_bytes),
+                **response_lengths(rollout, self.eos_ids, g.max_new_tokens),
                 "actor/grad_norm": grad_norm, "actor/lr": p.engine.get_lr()[0],
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "train/skipped_step": float(verdict.skipped),
@@ -175,19 +192,16 @@ class Trainer:
         every = self.tc.train.dense_every
         dense = bool(every) and (t + 1) % every == 0
         if self.tc.control.enabled:
-            flag = torch.tensor([int(self.log.dense_next())])
-            dist.broadcast(flag, src=0)
-            dense = dense or bool(flag)
+            dense = dense or bool(comm.broadcast_scalar(int(self.log.dense_next()), torch.int64))
         return dense
 
     def shared_kl_coef(self) -> float:
         """Rank 0's controller β, on every rank (the last stages compute the loss with it); NaN
         carries rank 0's error (a resume it cannot rebuild) so that every rank stops, not only rank 0."""
-        beta = torch.tensor([self.log.beta()], dtype=torch.float64)
-        dist.broadcast(beta, src=0)
-        if self.log.control_error or beta.isnan():
+        beta = comm.broadcast_scalar(self.log.beta(), torch.float64)
+        if self.log.control_error or math.isnan(beta):
             raise ValueError(self.log.control_error or "rank 0 could not rebuild the drift controller (see rank 0's error)")
-        return float(beta)
+        return beta
 
     def sync_sampler(self, next_step: int) -> tuple[dict | None, dict]:
         """The stages' weights to the sampler (rollout_side.py); → (every tensor, when the anchor ships θ

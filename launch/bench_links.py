@@ -53,7 +53,7 @@ def worker(a) -> None:
     from ds_twocircuit.pipeline.wire import WireCounter
 
     torch.set_num_threads(1)
-    init_distributed()
+    init_distributed(timeout_s=1800)
     flush = nonblocking_sends() if a.p2p[0] == "isend" else (lambda: None)
     phases = json.loads(a.phases)
     tc = TwoCircuitConfig()

@@ -2,19 +2,24 @@
 [--run-dir DIR] [--resume] [key=value ...]`; `python launch/train.py --help-config` lists our keys.
 
 Parse and validate the whole config first (no process group yet, so a mistake costs seconds and
-prints one line), make sure the base model exists (the embedded one is built once and cached),
-then start the process group, build the pipeline engine and train.
+prints one line), check that the installed DeepSpeed is the release the pipeline was tested with
+(one line too), make sure the base model exists (the embedded one is built once and cached), then
+start the process group, build the pipeline engine and train. A collective that waits longer than
+train.collective_timeout stops the run with one line.
 """
 import argparse
 import os
 import pathlib
+import re
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
 
 from ds_twocircuit.run.checkpoint import verify_latest  # noqa: E402
-from ds_twocircuit.config import check_resume, describe, load_config, load_or_exit  # noqa: E402  (light: no torch)
+from ds_twocircuit.config import (REPORT_WAIT_S, check_resume, describe, load_config,  # noqa: E402  (light: no torch)
+                                   load_or_exit)
 
 
 def parse_args(argv=None):
@@ -44,6 +49,7 @@ def main(argv=None) -> None:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:   # each node checks the files it will read
             print(f"[resume] {load_or_exit(verify_latest, run_dir / 'checkpoints')}", flush=True)
 
+    require_tested_deepspeed(report=int(os.environ.get("RANK", "0")) == 0)
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ds_twocircuit.pipeline.engine import init_distributed
@@ -51,14 +57,78 @@ def main(argv=None) -> None:
     from ds_twocircuit.trainer import Trainer, TrainingStopped
 
     model_dir = base_model_dir(run.tc)
-    init_distributed()
+    timeout_s = run.tc.train.collective_timeout
+    init_distributed(timeout_s)
     try:
         Trainer(run, run_dir, model_dir, resume=args.resume).run()
     except TrainingStopped as e:   # every rank stops at the same step; one line says why
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{e.label}: {e}", file=sys.stderr, flush=True)
         exit_now(1)
+    except RuntimeError as e:      # the ranks that waited time out together: the first of them says so
+        reason = collective_timeout(e)
+        if reason is None:
+            raise
+        if first_to_report("ds_twocircuit/collective_timeout"):
+            print(f"collective timeout: rank {os.environ.get('RANK', '0')} waited more than train.collective_timeout="
+                  f"{timeout_s:g}s for the others (one of them is stuck or slower than that: raise the key if its "
+                  f"work takes that long; {reason})", file=sys.stderr, flush=True)
+            time.sleep(2)   # this exit ends the launch (and the store): let the others that timed out count first
+        else:
+            time.sleep(REPORT_WAIT_S)   # as load_or_exit's silent ranks: the launcher ends this one
+        exit_now(1)
     exit_now(0)
+
+
+def require_tested_deepspeed(report: bool) -> None:
+    """Import the pipeline package, which asserts the DeepSpeed release it drives: another one stops the
+    launch with one line (on the reporting rank; the others wait for the launcher, as load_or_exit's
+    do) and exit status 2, before any process group starts."""
+    try:
+        import ds_twocircuit.pipeline  # noqa: F401
+    except ImportError as e:
+        if getattr(e, "label", None) != "deepspeed version error":
+            raise
+        if report:
+            print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(REPORT_WAIT_S)
+        sys.exit(2)
+
+
+def first_to_report(key: str) -> bool:
+    """Whether this rank is the first of the launch to report `key`: a counter in the launch's
+    rendezvous store (MASTER_ADDR:MASTER_PORT, served by rank 0's process even while its Python is
+    busy). True where the store does not answer, so that some rank always reports."""
+    import datetime
+
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=10))
+        return store.add(key, 1) == 1
+    except Exception:   # noqa: BLE001  (no store: report rather than stay silent)
+        return True
+
+
+# how a timed-out collective's error reads: gloo's "Timed out waiting 20000ms for recv operation to
+# complete" (or, on a later operation over the same pair, "Application timeout caused pair closure"),
+# the store's "wait timeout after ..."/"Timed out after ...", NCCL's "Watchdog caught collective
+# operation timeout" when the watchdog raises instead of aborting the process
+_TIMEOUT = re.compile(r"timed out (waiting|after)|timeout caused pair closure|operation timeout|wait timeout", re.I)
+
+
+def collective_timeout(e: BaseException) -> str | None:
+    """The line of a timed-out collective's error in e's chain that says so (its source location
+    dropped), or None for any other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        line = next((l for l in str(e).splitlines() if _TIMEOUT.search(l)), None)
+        if isinstance(e, RuntimeError) and line:
+            return re.sub(r"^\s*\[[^\]]*\]\s*", "", line).strip()
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def exit_now(code: int) -> None:

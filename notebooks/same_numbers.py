@@ -1,8 +1,8 @@
 """The identical-numbers check: the same seeded runs at two commits, diffed bit for bit.
 
     python notebooks/same_numbers.py BEFORE AFTER [--steps 20] [--probe-every 5] [--out runs/same_numbers]
-                                     [--recipes dense prf95 lowrank lowrank_drift rotated]
-                                     [--may-differ KEY ...]
+                                     [--recipes dense prf95 lowrank lowrank_drift rotated frontier_wide]
+                                     [--may-differ KEY ...] [--renamed OLD=NEW ...] [--wide-start DIR]
 
 A change that should not change numbers proves it: each commit is checked out into its own git
 worktree and runs each recipe there (`deepspeed --num_gpus 8 launch/train.py`, its own package on
@@ -14,7 +14,10 @@ when complete, so comparing a new commit against an old one reruns only the new 
 
 `--may-differ KEY ...`: metrics keys a change is meant to move (a file format's byte counts, say);
 their differences are still printed and counted, in their own column, and do not fail the check.
-Eval rows and weights may never differ.
+Eval rows and weights may never differ. `--renamed OLD=NEW ...`: metrics the change renamed, all at
+once (two may swap names); BEFORE's rows are read under the new names, so the values still compare
+bit for bit. `frontier_wide` runs the wide recipe from a fixed HF start (`--wide-start DIR`) at 8
+prompts a step and 256 held-out rows: the same check at a tenth of the recipe's cost.
 """
 import argparse
 import json
@@ -30,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # recipe → its ds_configs/ file and the overrides that make it the check's run
 RECIPES = {"dense": ("dense", []), "prf95": ("prf95", []), "lowrank": ("lowrank", []),
            "lowrank_drift": ("lowrank_drift", ["control.enabled=true"]),
-           "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"])}
+           "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"]),
+           "frontier_wide": ("frontier_wide", ["grpo.prompts_per_step=8", "data.eval_size=256"])}
 WALL_CLOCK = ("timing/", "anchor/wait", "memory/")
 # the launcher of the interpreter running this script, found without an activated venv
 DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed") or "deepspeed"
@@ -67,6 +71,10 @@ def run_commit(sha: str, recipes: list[str], a) -> None:
                    "launch/train.py", "--ds-config", f"ds_configs/{RECIPES[recipe][0]}.json", "--run-dir", str(run_dir),
                    f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
                    "log.wandb=false", *RECIPES[recipe][1]]
+            if recipe == "frontier_wide":
+                if not a.wide_start:
+                    sys.exit("frontier_wide needs --wide-start DIR (an HF export of the wide model to start from)")
+                cmd.append(f"model.path={pathlib.Path(a.wide_start).resolve()}")
             print(f"[{sha[:8]}] {recipe}: {' '.join(cmd[5:])}", flush=True)
             # cwd and PYTHONPATH: the worktree's package, for the trainer and the anchor it starts
             with open(run_dir / "launch.log", "w") as log:
@@ -97,10 +105,11 @@ def ulps(a: float, b: float) -> int:
     return abs(key(a) - key(b))
 
 
-def compare_rows(a: list[dict], b: list[dict]) -> tuple[int, list[tuple[str, str]]]:
+def compare_rows(a: list[dict], b: list[dict], renamed: dict[str, str] = {}) -> tuple[int, list[tuple[str, str]]]:
     """→ (keys compared, the differences as (key, one line: step, key, both values, their distance in
-    ulps))."""
+    ulps)); `a`'s keys are read under their `renamed` names first."""
     diffs, n = [], 0
+    a = [{renamed.get(k, k): v for k, v in r.items()} for r in a]
     if [r["step"] for r in a] != [r["step"] for r in b]:
         return 0, [("step", f"steps differ: {[r['step'] for r in a]} vs {[r['step'] for r in b]}")]
     for ra, rb in zip(a, b):
@@ -116,7 +125,8 @@ def compare_rows(a: list[dict], b: list[dict]) -> tuple[int, list[tuple[str, str
     return n, diffs
 
 
-def compare(before: str, after: str, recipes: list[str], out: pathlib.Path, may_differ: tuple[str, ...] = ()) -> bool:
+def compare(before: str, after: str, recipes: list[str], out: pathlib.Path, may_differ: tuple[str, ...] = (),
+            renamed: dict[str, str] = {}) -> bool:
     import torch
     same = True
     print("\n| recipe | metrics rows | values compared | differing | of them allowed | eval rows equal | tensors "
@@ -124,7 +134,7 @@ def compare(before: str, after: str, recipes: list[str], out: pathlib.Path, may_
     print("|---|---|---|---|---|---|---|---|")
     for recipe in recipes:
         da, db = out / before / recipe, out / after / recipe
-        n, diffs = compare_rows(read_jsonl(da / "metrics.jsonl"), read_jsonl(db / "metrics.jsonl"))
+        n, diffs = compare_rows(read_jsonl(da / "metrics.jsonl"), read_jsonl(db / "metrics.jsonl"), renamed)
         evals = read_jsonl(da / "eval.jsonl") == read_jsonl(db / "eval.jsonl")
         wa, wb = weights(da), weights(db)
         w_equal = bool(wa) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)   # none exported is no proof
@@ -148,11 +158,14 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "same_numbers"))
     p.add_argument("--may-differ", nargs="+", default=[], metavar="KEY",
                    help="metrics keys the change is meant to move (counted and printed, not failing)")
+    p.add_argument("--renamed", nargs="+", default=[], metavar="OLD=NEW", help="metrics keys the change renamed")
+    p.add_argument("--wide-start", default=None, help="frontier_wide's starting model (an HF directory)")
     a = p.parse_args(argv)
+    renamed = dict(pair.split("=", 1) for pair in a.renamed)
     before, after = sha_of(a.before), sha_of(a.after)
     for sha in (before, after):
         run_commit(sha, a.recipes, a)
-    ok = compare(before, after, a.recipes, pathlib.Path(a.out), tuple(a.may_differ))
+    ok = compare(before, after, a.recipes, pathlib.Path(a.out), tuple(a.may_differ), renamed)
     verdict = "DIFFERENT" if not ok else f"bitwise equal but {', '.join(a.may_differ)}" if a.may_differ else "bitwise equal"
     print(f"\n{before[:8]} vs {after[:8]}, {a.steps} steps, probe every {a.probe_every}: {verdict}")
     sys.exit(0 if ok else 1)

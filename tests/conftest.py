@@ -224,9 +224,11 @@ ANCHORED = ("codec.name=prf", "anchor.enabled=true", "anchor.mode=sync", "anchor
 @pytest.fixture(scope="session")
 def anchored(tiny_model, tmp_path_factory):
     """The two-circuit reference run: 8 ranks on one host, the managed anchor, ANCHORED's config;
-    the sampler's weights dumped at its end (sync/weight_sync.py's test hook) into `sampler/`."""
+    the sampler's weights dumped at its end (sync/weight_sync.py's test hook) into `sampler/`, every
+    torch.distributed call recorded (pipeline/comm.py's test hook) into `collectives/`."""
     d = tmp_path_factory.mktemp("anchored")
-    launch(8, d, *ANCHORED, env={"DS_TWOCIRCUIT_DUMP_SAMPLER": str(d / "sampler")})
+    launch(8, d, *ANCHORED, env={"DS_TWOCIRCUIT_DUMP_SAMPLER": str(d / "sampler"),
+                                 "DS_TWOCIRCUIT_RECORD_COLLECTIVES": str(d / "collectives")})
     return d
 
 

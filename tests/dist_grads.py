@@ -94,7 +94,7 @@ def main(model_dir, split_json, ks, out_dir):
     from safetensors.torch import save_file
 
     from ds_twocircuit.pipeline.engine import init_distributed
-    init_distributed()
+    init_distributed(timeout_s=600)
     split = json.loads(split_json)
     config = load_hf_config(model_dir, "sdpa")
     ks = ks.split(",")

@@ -31,7 +31,7 @@ def batches():
 
 
 def main(model_dir, split, out):
-    init_distributed()
+    init_distributed(timeout_s=600)
     seen = []
     record = lambda logits, labels: (seen.append(logits.detach().float().cpu()), logits.new_zeros(()))[1]
     pipe = TwoCircuitPipe(model_dir, json.loads(split), record)

@@ -103,7 +103,7 @@ def main(model_dir, config, out):
 
     run = load_config(config, list(OVERRIDES), world_size=8)
     run.ds["gradient_clipping"] = 0.0                     # the clip is switched per pass below
-    init_distributed()
+    init_distributed(run.tc.train.collective_timeout)
     p = build_pipeline(model_dir, run.tc, run.ds)
     coefs = LossCoefs.from_config(run.tc.grpo)
     rollout, old, ref = make_rollout(model_dir)

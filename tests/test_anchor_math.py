@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ds_twocircuit.anchor.forecast import forecast, fires_replaying, forecast_steps, is_fire_step, weights_step
-from ds_twocircuit.anchor.sign import agreement_count, corrected_gradient, pack_signs, unpack_bits
+from ds_twocircuit.anchor.sign import (agreement_count, corrected_gradient, pack_signs, signs_of, unpack_bits,
+                                       zero_runs)
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 12345])
@@ -27,7 +28,24 @@ def test_correction_closed_forms():
     ref = 0.25 * g + 0.75 * g.abs() * s
     torch.testing.assert_close(out, ref)
     assert corrected_gradient(g, s, alpha=1.0).tolist() == g.tolist()
-    assert agreement_count(g, s > 0) == 3                          # 2, −3 and the zero agree
+    agree, signed = agreement_count(g, s.to(torch.int8))
+    assert (int(agree), int(signed)) == (3, 5)                     # 2, −3 and the zero agree
+
+
+def test_a_zero_of_m_has_no_sign_and_leaves_the_gradient_as_it_is():
+    """M = 0 (a coordinate the replay never touched) travels as a run beside the bits and reads as
+    s = 0: the gradient there is left as it is (one bit alone would read it as −1 and scale it by
+    2α − 1), and it is left out of the agreement."""
+    m = torch.tensor([0.5, 0.0, 0.0, -0.2, 0.0, 0.3, 0.0])
+    runs = zero_runs(m)
+    assert runs.tolist() == [[1, 2], [4, 1], [6, 1]]
+    s = signs_of(unpack_bits(pack_signs(m), m.numel()), runs)
+    assert s.tolist() == [1, 0, 0, -1, 0, 1, 0]
+    g = torch.tensor([-1.0, 2.0, -3.0, 4.0, 5.0, 6.0, -7.0])
+    assert corrected_gradient(g, s, 0.25).tolist() == [0.5, 2.0, -3.0, -2.0, 5.0, 6.0, -7.0]
+    agree, signed = agreement_count(g, s)
+    assert (int(agree), int(signed)) == (1, 3)
+    assert zero_runs(torch.randn(100)).shape == (0, 2) and zero_runs(torch.zeros(3)).tolist() == [[0, 3]]
 
 
 def test_formula_on_random_values():
@@ -148,7 +166,15 @@ def test_sign_file_size_and_rejections(tmp_path):
     p = tmp_path / "stage1.safetensors"
     write_sign(p, 40, 1, SHAPES, bits, numel)
     assert 0 < p.stat().st_size - math.ceil(numel / 8) < 1024      # the bits and a header under 1 KiB
-    assert read_sign(p, 1, SHAPES) == (40, bits, numel)
+    step, got, n, runs = read_sign(p, 1, SHAPES)
+    assert (step, got, n, runs.shape) == (40, bits, numel, (0, 2))
+    size = p.stat().st_size
+    write_sign(p, 40, 1, SHAPES, bits, numel, torch.tensor([[2, 3]]))    # zero runs ride beside the bits
+    assert read_sign(p, 1, SHAPES)[3].tolist() == [[2, 3]] and p.stat().st_size > size
+    write_sign(p, 40, 1, SHAPES, bits, numel, torch.tensor([[numel - 1, 2]]))
+    with pytest.raises(MailboxError, match="zero runs outside"):
+        read_sign(p, 1, SHAPES)
+    write_sign(p, 40, 1, SHAPES, bits, numel)
     with pytest.raises(MailboxError, match="stale"):
         read_sign(p, 1, SHAPES, newer_than=40)
     with pytest.raises(MailboxError, match="stage 1"):

@@ -111,6 +111,23 @@ def test_the_deepspeed_sections_a_user_brings_reach_the_engine_as_they_read(tmp_
     assert "csv_monitor" in ds and "csv_monitor" not in engine_config(ds)
 
 
+def test_bf16_with_zero1_accumulates_gradients_in_fp32(tmp_path):
+    """DeepSpeed 0.19.8 sums bf16 + ZeRO-1 gradients in bf16 unless `data_types.grad_accum_dtype` says
+    otherwise: the engine gets fp32, and a config asking for bf16 is refused before launch, naming
+    the key. Without bf16 or without ZeRO nothing is added (a launch test reads the optimizer
+    DeepSpeed builds from it: test_faults)."""
+    from ds_twocircuit.config.deepspeed_keys import engine_config
+    bf16_zero1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    ds = load_config(write(tmp_path, lambda c: c.update(bf16_zero1)), [], world_size=8).ds
+    assert engine_config(ds)["data_types"] == {"grad_accum_dtype": "fp32"}
+    for extra in ({"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 1}}, {}):
+        assert "data_types" not in engine_config(load_config(write(tmp_path, lambda c: c.update(extra)), [],
+                                                             world_size=8).ds), extra
+    with pytest.raises(ConfigError, match="data_types.grad_accum_dtype='bf16'"):
+        load_config(write(tmp_path, lambda c: c.update(bf16_zero1, data_types={"grad_accum_dtype": "bf16"})), [],
+                    world_size=8)
+
+
 def test_vllm_backend_without_vllm_says_how_to_install(tmp_path, monkeypatch):
     import importlib.util
     find_spec = importlib.util.find_spec

@@ -36,15 +36,15 @@ def test_upper_clip_when_advantage_positive():
 def test_lower_clip_when_advantage_negative():
     loss, grad, s = one_token(math.log(0.5), -1.0)
     assert math.isclose(loss, 0.8, rel_tol=1e-6)          # −Â·(1−ε_low)
-    assert grad == 0.0 and s["actor/pg_clipfrac_lower"] == 1.0
+    assert grad == 0.0 and s["actor/pg_clipfrac_below"] == 1.0 and s["actor/pg_clipfrac_lower"] == 0.0
 
 
 def test_dual_clip_caps_negative_advantage_loss():
     loss, grad, s = one_token(math.log(5.0), -2.0)
     assert math.isclose(loss, 6.0, rel_tol=1e-6)          # min(−Âρ = 10, −Â·c = 6)
-    assert grad == 0.0 and s["actor/pg_clipfrac_dual"] == 1.0
+    assert grad == 0.0 and s["actor/pg_clipfrac_lower"] == 1.0                # verl's name for the dual-clip share
     loss, _, s = one_token(math.log(2.0), -2.0)           # ρ < c: the PPO term stands
-    assert math.isclose(loss, 4.0, rel_tol=1e-6) and s["actor/pg_clipfrac_dual"] == 0.0
+    assert math.isclose(loss, 4.0, rel_tol=1e-6) and s["actor/pg_clipfrac_lower"] == 0.0
 
 
 def test_k3_kl_closed_form():
@@ -55,6 +55,75 @@ def test_k3_kl_closed_form():
     assert math.isclose(loss, 0.1 * kl, rel_tol=1e-6)
     assert math.isclose(grad, 0.1 * (1 - math.exp(d)), rel_tol=1e-5)   # d/dlogp of e^{r−l} − (r−l) − 1
     assert one_token(0.0, 0.0, ref_diff=0.0)[2]["actor/kl_loss"] == 0.0
+
+
+def verl_reference(logp, old, ref, adv_B, mask, coefs):
+    """verl's `compute_policy_loss` (vanilla, dual-clip) and `kl_penalty` (low_var_kl), token-mean,
+    transcribed from its core_algos: the quantities behind the keys we share with it."""
+    mean = lambda x: (x * mask).sum() / mask.sum()
+    adv = adv_B[:, None]
+    neg_kl = torch.clamp(logp - old, -20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - coefs.clip_low, 1 + coefs.clip_high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * coefs.clip_ratio_c
+    pg = torch.where(adv < 0, torch.min(pg3, clip1), clip1)
+    kl = torch.clamp(ref - logp, -20, 20)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, -10, 10)
+    return {"actor/pg_loss": mean(pg), "actor/ppo_kl": mean(-neg_kl), "actor/pg_clipfrac": mean(torch.gt(pg2, pg1).float()),
+            "actor/pg_clipfrac_lower": mean(torch.gt(clip1, pg3).float() * (adv < 0).float()), "actor/kl_loss": mean(kld),
+            "loss": mean(pg) + coefs.kl_coef * mean(kld)}
+
+
+def test_the_keys_we_share_with_verl_mean_what_they_mean_there():
+    """On a random batch with every clip binding somewhere: each shared key, the loss and its
+    gradient equal verl's to 1e-6 relative (float32), pg_clipfrac_lower being the dual-clip share."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 16, 12
+    logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, generator=g) * 0.6
+    ref = logp.detach() + torch.randn(B, T, generator=g) * 0.5
+    adv = torch.randn(B, generator=g) * 2
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    coefs = LossCoefs(kl_coef=0.1)
+    loss, sums = grpo_token_loss(logp, old, ref, adv, mask / mask.sum(), coefs)
+    grad, = torch.autograd.grad(loss, logp)
+    want = verl_reference(logp, old, ref, adv, mask, coefs)
+    want_grad, = torch.autograd.grad(want.pop("loss"), logp)
+    assert 0 < float(want["actor/pg_clipfrac_lower"]) < float(want["actor/pg_clipfrac"])
+    for k, v in want.items():
+        assert math.isclose(float(sums[k]), float(v), rel_tol=1e-6, abs_tol=1e-7), (k, float(sums[k]), float(v))
+    torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-8)
+
+
+def test_the_kl_term_counts_only_where_it_can_and_never_makes_a_nan():
+    """A target far below the reference off the response (log-prob −100, reference placeholder 0:
+    e^100 is inf in float32) leaves the loss and its gradient finite; at β = 0 there is no KL at all
+    (no actor/kl_loss); where no clamp binds and nothing was masked the numbers are the unmasked
+    formula's bit for bit; a token whose KL exceeds verl's bound 10 counts 10."""
+    g = torch.Generator().manual_seed(4)
+    B, T = 4, 6
+    logp = (-torch.rand(B, T, generator=g)).requires_grad_()
+    ref = logp.detach() + torch.randn(B, T, generator=g) * 0.3
+    w = torch.ones(B, T) / (B * T)
+    adv = torch.randn(B, generator=g)
+    loss, sums = grpo_token_loss(logp, logp.detach(), ref, adv, w, C)
+    d = ref - logp.detach()
+    assert float(sums["actor/kl_loss"]) == float((w * (torch.exp(d) - d - 1.0)).sum())   # bit for bit
+    far = logp.detach().clone()
+    far[0, 0] = -100.0
+    far.requires_grad_()
+    w_off = w.clone()
+    w_off[0, 0] = 0.0                                  # off the response: its reference is a placeholder
+    ref_off = ref.clone()
+    ref_off[0, 0] = 0.0
+    loss, sums = grpo_token_loss(far, far.detach(), ref_off, adv, w_off, C)
+    grad, = torch.autograd.grad(loss, far)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(sums["actor/kl_loss"])
+    _, sums0 = grpo_token_loss(far, far.detach(), ref_off, adv, w_off, LossCoefs(kl_coef=0.0))
+    assert "actor/kl_loss" not in sums0
+    _, _, s = one_token(0.0, 0.0, ref_diff=5.0)         # e^5 − 5 − 1 = 142.4: clamped as verl does
+    assert s["actor/kl_loss"] == 10.0
 
 
 def test_token_mean_invariant_to_split():

@@ -18,8 +18,8 @@ from .sign import agreement_count, corrected_gradient
 
 @dataclass
 class Agreement:
-    agree: int = 0     # counted coordinates where sign(G_comp) = sign(M)
-    numel: int = 0     # counted coordinates
+    agree: int | torch.Tensor = 0     # counted coordinates where sign(G_comp) = sign(M) (a device tensor once counted)
+    numel: int | torch.Tensor = 0     # counted coordinates with a sign
 
 
 class SignCorrection:
@@ -29,8 +29,8 @@ class SignCorrection:
 
     @contextlib.contextmanager
     def applying(self, sign: dict[str, torch.Tensor] | None):
-        """Within the block, correct every step's gradient with `sign` (HF name → bool tensor of the
-        parameter's shape, True where M > 0); None (no fire published yet): G = G_comp."""
+        """Within the block, correct every step's gradient with `sign` (HF name → int8 tensor of the
+        parameter's shape, on its device: sign(M) ∈ {−1, 0, +1}); None (no fire published yet): G = G_comp."""
         self._sign, self._count = sign, Agreement()
         try:
             yield self._count
@@ -44,6 +44,7 @@ class SignCorrection:
         for name, g, lp, counted in self.views:
             s = self._sign[name].view(-1).narrow(0, lp, g.numel())
             if counted:
-                self._count.agree += agreement_count(g, s)
-                self._count.numel += g.numel()
+                agree, numel = agreement_count(g, s)
+                self._count.agree += agree
+                self._count.numel += numel
             g.copy_(corrected_gradient(g, s, self.alpha))

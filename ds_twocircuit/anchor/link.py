@@ -35,18 +35,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..pipeline.comm import broadcast_tensors
+from ..pipeline import comm
 from ..sync.delta import encode_all
 from . import mailbox as mb
 from .forecast import fires_replaying, forecast_steps, replay_groups, weights_step
 from .process import AnchorProcess
-from .sign import pack_bits, unpack_bits
+from .sign import pack_bits, signs_of, unpack_bits, zero_runs
 
 
 @dataclass
 class Sign:
     fire: int
-    bits: dict[str, torch.Tensor]          # HF name → bool tensor of the parameter's shape (True: M > 0)
+    signs: dict[str, torch.Tensor]         # HF name → int8 sign(M) ∈ {−1, 0, +1} of the parameter's shape, on the device
     bases: dict[int, torch.Tensor] | None  # lowrank: cut layer → Q refreshed at this fire
 
 
@@ -88,11 +88,10 @@ class AnchorLink:
         """Ship for step t (rank 0) and adopt the sign rank 0 picks; → (the new sign or None, metrics)."""
         up = self._ship(t, theta, rollout, kl_coef) if self.rank0 else 0
         fire, staged, waited = self._pick(t) if self.rank0 else (-1, None, 0.0)
-        choice = torch.tensor([fire], dtype=torch.int64)
-        dist.broadcast(choice, src=0)
+        choice = comm.broadcast_scalar(fire, torch.int64)
         new, down = None, 0
-        if int(choice) > self.held:
-            new, down = self._distribute(int(choice), staged)
+        if choice > self.held:
+            new, down = self._distribute(choice, staged)
             self.held = new.fire
         out = {"anchor/bytes_up": float(up), "anchor/bytes_down": float(down), "anchor/bytes": float(up + down),
                "anchor/wait": waited, "anchor/restarts": float(self.process.restarts if self.process else 0)}
@@ -110,11 +109,10 @@ class AnchorLink:
             except mb.MailboxError as e:
                 print(f"[anchor] the checkpoint's sign (fire {fire}) is unusable: {e}; resuming without it",
                       file=sys.stderr, flush=True)
-        choice = torch.tensor([fire if staged is not None else -1], dtype=torch.int64)
-        dist.broadcast(choice, src=0)
-        if int(choice) < 0:
+        choice = comm.broadcast_scalar(fire if staged is not None else -1, torch.int64)
+        if choice < 0:
             return None
-        new, _ = self._distribute(int(choice), staged)
+        new, _ = self._distribute(choice, staged)
         self.held = new.fire
         return new
 
@@ -243,43 +241,46 @@ class AnchorLink:
             return self.held, None, waited
 
     def _read_fire(self, f: int) -> tuple:
-        """Fire f's checked files → (stage bits, bytes read, bases or None); MailboxError if one is bad."""
+        """Fire f's checked files → (stage signs, bytes read, bases or None); MailboxError if one is bad."""
         bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.lowrank_cuts else None
-        return (*self._read_stage_bits(f), bases)
+        return (*self._read_stage_signs(f), bases)
 
-    def _read_stage_bits(self, f: int) -> tuple[dict[str, torch.Tensor], int]:
-        """Every stage's sign file, checked against that stage's layout → (name → flat bool, bytes read)."""
+    def _read_stage_signs(self, f: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Every stage's sign file, checked against that stage's layout → (name → flat int8 sign, bytes read)."""
         out, read = {}, 0
         for s, names in enumerate(self.pipe.hf_names_per_stage()):
             shapes = {n: tuple(self.shapes[n][0]) for n in names}
             path = mb.sign_path(self.root, f, s)
-            _, bits, numel = mb.read_sign(path, s, shapes, newer_than=self.held)
+            _, bits, numel, runs = mb.read_sign(path, s, shapes, newer_than=self.held)
             read += path.stat().st_size
-            out.update(zip(shapes, unpack_bits(bits, numel).split([math.prod(shp) for shp in shapes.values()])))
+            signs = signs_of(unpack_bits(bits, numel), runs)
+            out.update(zip(shapes, signs.split([math.prod(shp) for shp in shapes.values()])))
         return out, read
 
     # ---- every rank -------------------------------------------------------------------------
     def _distribute(self, f: int, staged: tuple | None) -> tuple[Sign, int]:
-        """Every rank ends with its stage's bits of fire f (and the bases); → (Sign, bytes rank 0 read)."""
+        """Every rank ends with its stage's signs of fire f on its device (and the bases); → (Sign,
+        bytes rank 0 read). On the wire: 1 bit a parameter, and the runs of M = 0 where it has any."""
         names = self.pipe.sign_names(self.pipe.stage_id)
         params = self.pipe.hf_parameters_all()
         numel = sum(params[n].numel() for n in names)
         read = 0
         if self.rank0:
-            stage_bits, read, _ = staged
+            stage_signs, read, _ = staged
             for r in range(1, dist.get_world_size()):
-                s = self.stage_of_rank[r]
-                buf = pack_bits(torch.cat([stage_bits[n] for n in self.pipe.sign_names(s)]))
-                dist.send(torch.frombuffer(bytearray(buf), dtype=torch.uint8), dst=r)
-            mine = torch.cat([stage_bits[n] for n in names])
+                theirs = torch.cat([stage_signs[n] for n in self.pipe.sign_names(self.stage_of_rank[r])])
+                comm.send_bytes(pack_bits(theirs > 0), r)
+                comm.send_bytes(zero_runs(theirs).numpy().tobytes(), r)
+            mine = torch.cat([stage_signs[n] for n in names])
         else:
-            buf = torch.empty((numel + 7) // 8, dtype=torch.uint8)
-            dist.recv(buf, src=0)
-            mine = unpack_bits(buf.numpy().tobytes(), numel)
-        flat = mine.split([params[n].numel() for n in names])
-        bits = {n: b.view(params[n].shape) for n, b in zip(names, flat)}
+            bits, _ = comm.recv_bytes(0)
+            runs, _ = comm.recv_bytes(0)
+            runs = torch.frombuffer(bytearray(runs), dtype=torch.int64).view(-1, 2) if runs else torch.zeros(0, 2, dtype=torch.int64)
+            mine = signs_of(unpack_bits(bits, numel), runs)
+        flat = mine.to(comm.device()).split([params[n].numel() for n in names])
+        signs = {n: b.view(params[n].shape) for n, b in zip(names, flat)}
         bases = None
         if self.lowrank_cuts:
             qs = [staged[2][f"cut{l}"] for l in self.lowrank_cuts] if self.rank0 else None
-            bases = dict(zip(self.lowrank_cuts, broadcast_tensors(qs, len(self.lowrank_cuts))))
-        return Sign(f, bits, bases), read
+            bases = dict(zip(self.lowrank_cuts, comm.broadcast_tensors(qs, len(self.lowrank_cuts))))
+        return Sign(f, signs, bases), read

@@ -369,14 +369,19 @@ def read_theta(root: pathlib.Path, step: int, stage: int, shapes: dict[str, tupl
 
 
 # ---- sign(M) -----------------------------------------------------------------------------
-def write_sign(path: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple], bits: bytes, numel: int) -> None:
-    write_file(path, step, {"bits": _bytes_tensor(bits)}, stage=stage, numel=numel,
+def write_sign(path: pathlib.Path, step: int, stage: int, shapes: dict[str, tuple], bits: bytes, numel: int,
+               zeros: torch.Tensor | None = None) -> None:
+    """sign(M) of one stage: the packed bits and, only where M has zeros, their runs (sign.zero_runs)."""
+    runs = {"zero_runs": zeros.to(torch.int64).contiguous()} if zeros is not None and len(zeros) else {}
+    write_file(path, step, {"bits": _bytes_tensor(bits), **runs}, stage=stage, numel=numel,
                layout=layout_digest(shapes).hex())
 
 
-def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple], newer_than: int = -1) -> tuple[int, bytes, int]:
-    """→ (step, bits, numel). Rejects another format or version, truncation, checksum, a stale step
-    (≤ newer_than) and a layout (names, shapes) other than this stage's."""
+def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple],
+              newer_than: int = -1) -> tuple[int, bytes, int, torch.Tensor]:
+    """→ (step, bits, numel, zero runs (R, 2)). Rejects another format or version, truncation,
+    checksum, runs outside the stage, a stale step (≤ newer_than) and a layout (names, shapes) other
+    than this stage's."""
     tensors, meta = read_file(path)
     try:
         step, st, numel, bits = int(meta["step"]), int(meta["stage"]), int(meta["numel"]), tensors["bits"]
@@ -384,8 +389,11 @@ def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple], newer_th
         raise MailboxError(f"{path}: not a sign file ({e})") from None
     if bits.numel() != (numel + 7) // 8:
         raise MailboxError(f"{path}: truncated payload ({bits.numel()} of {(numel + 7) // 8} bytes)")
+    runs = tensors.get("zero_runs", torch.zeros(0, 2, dtype=torch.int64))
+    if runs.dim() != 2 or runs.shape[1] != 2 or (len(runs) and (runs.min() < 0 or (runs.sum(1) > numel).any())):
+        raise MailboxError(f"{path}: zero runs outside the stage's {numel} parameters")
     if st != stage or meta.get("layout") != layout_digest(shapes).hex():
         raise MailboxError(f"{path}: written for stage {st} with another parameter layout; this is stage {stage}")
     if step <= newer_than:
         raise MailboxError(f"{path}: stale sign of step {step} (already hold step {newer_than})")
-    return step, bits.numpy().tobytes(), numel
+    return step, bits.numpy().tobytes(), numel, runs

@@ -41,7 +41,7 @@ from ..grpo.rollouts import Rollout
 from . import mailbox as mb
 from .forecast import forecast, replay_groups
 from .memory import update_memory
-from .sign import pack_signs
+from .sign import pack_signs, zero_runs
 
 
 class AnchorWorker:
@@ -187,7 +187,8 @@ class AnchorWorker:
         shutil.rmtree(tmp, ignore_errors=True)
         for i, shapes in enumerate(layouts):
             flat = torch.cat([self.M[n].reshape(-1) for n in shapes])
-            mb.write_sign(tmp / mb.sign_path(self.root, fire, i).name, fire, i, shapes, pack_signs(flat), flat.numel())
+            mb.write_sign(tmp / mb.sign_path(self.root, fire, i).name, fire, i, shapes, pack_signs(flat), flat.numel(),
+                          zero_runs(flat))
         if self.bases:
             mb.write_tensors(tmp / "bases.safetensors", fire, {f"cut{l}": q for l, q in self.bases.items()})
         shutil.rmtree(final, ignore_errors=True)
@@ -229,7 +230,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..model.weights import base_model_dir
     model_dir = base_model_dir(run.tc)
-    init_distributed()
+    init_distributed(run.tc.train.collective_timeout)
     log(f"serving {root} (pid {os.getpid()})")
     AnchorWorker(root, model_dir, run.tc, run.ds).serve(args.parent_pid)
 

@@ -206,7 +206,7 @@ class _RotatedSend(torch.autograd.Function):
     def forward(ctx, x, keys_BT, fwd, bwd):
         B, T, d = x.shape
         F, G = wire_format(fwd, bwd, B * T)
-        code = torch.zeros(B * T, F, dtype=torch.uint8)
+        code = torch.zeros(B * T, F, dtype=torch.uint8, device=x.device)
         code[:, :fwd.bytes_per_token] = rotated.encode(x.detach().reshape(-1, d), keys_BT.reshape(-1), fwd, "fwd")
         code = code.view(B, T, F)
         ctx.save_for_backward(keys_BT)
@@ -240,7 +240,7 @@ class _RotatedReceive(torch.autograd.Function):
     def backward(ctx, g):
         keys_BT, = ctx.saved_tensors
         B, T = keys_BT.shape
-        code = torch.zeros(B * T, 2 * ctx.carrier_shape[-1], dtype=torch.uint8)
+        code = torch.zeros(B * T, 2 * ctx.carrier_shape[-1], dtype=torch.uint8, device=g.device)
         back = _encode_back(g.reshape(B * T, -1).float(), keys_BT.reshape(-1), ctx.bwd)
         code[:, :back.shape[1]] = back
         return code.view(torch.half).view(ctx.carrier_shape), None, None, None, None, None

@@ -26,6 +26,6 @@ def checked_basis(q_Dk: torch.Tensor, d: int, k: int, layer: int) -> torch.Tenso
     if q_Dk.shape != (d, k):
         raise ValueError(f"basis for cut {layer}: shape {tuple(q_Dk.shape)}, expected ({d}, {k})")
     gram = q_Dk.double().T @ q_Dk.double()
-    if not torch.allclose(gram, torch.eye(k, dtype=torch.float64), atol=1e-4):
+    if not torch.allclose(gram, torch.eye(k, dtype=torch.float64, device=gram.device), atol=1e-4):
         raise ValueError(f"basis for cut {layer} is not orthonormal")
     return q_Dk.float().contiguous()

@@ -48,8 +48,9 @@ def factors(m_ND: torch.Tensor, r: int, seed: int, iters: int = ITERS) -> tuple[
     k, wide = min(r, n, d), min(r + OVERSAMPLE, n, d)
     m = m_ND.float()
     if not torch.isfinite(m).all():     # stays non-finite across the cut, so the guard skips the step
-        return torch.full((n, r), float("nan")), torch.full((d, r), float("nan"))
-    omega = torch.randn(d, wide, generator=torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF))
+        return m.new_full((n, r), float("nan")), m.new_full((d, r), float("nan"))
+    # drawn on the CPU whatever the device: both ends and every device draw the same Ω
+    omega = torch.randn(d, wide, generator=torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)).to(m.device)
     y = m @ omega
     for _ in range(iters):
         y = m @ (m.T @ _orth(y))
@@ -66,7 +67,7 @@ def encode(m_ND: torch.Tensor, r: int, seed: int) -> torch.Tensor:
     n, d = m_ND.shape
     p, q = factors(m_ND, r, seed)
     width = slots(n, d, r)
-    spill = torch.zeros(n * (width - r), dtype=torch.bfloat16)
+    spill = m_ND.new_zeros(n * (width - r), dtype=torch.bfloat16)
     spill[:d * r] = q.reshape(-1).bfloat16()
     code = torch.cat([p.bfloat16(), spill.view(n, width - r)], dim=1)
     return code.view(torch.uint8)

@@ -102,8 +102,8 @@ def _tagged(keys: torch.Tensor, tag: int) -> torch.Tensor:
 
 def signs(keys_N: torch.Tensor, d: int) -> torch.Tensor:
     """±1 per coordinate, (N, d) int64."""
-    words = mix32(_tagged(keys_N, SIGNS)[:, None] ^ torch.arange((d + 31) // 32))       # (N, ⌈d/32⌉)
-    bits = (words[:, :, None] >> torch.arange(32)) & 1
+    words = mix32(_tagged(keys_N, SIGNS)[:, None] ^ torch.arange((d + 31) // 32, device=keys_N.device))   # (N, ⌈d/32⌉)
+    bits = (words[:, :, None] >> torch.arange(32, device=keys_N.device)) & 1
     return 1 - 2 * bits.reshape(keys_N.shape[0], -1)[:, :d]
 
 
@@ -134,14 +134,14 @@ def unrotate(z_ND: torch.Tensor, s_ND: torch.Tensor) -> torch.Tensor:
 
 def dither(keys_N: torch.Tensor, m: int, direction: str) -> torch.Tensor:
     """u (N, m) in [0, 1), exact in fp32 (24-bit numerators)."""
-    words = mix32(_tagged(keys_N, DITHER[direction])[:, None] ^ torch.arange(m))
+    words = mix32(_tagged(keys_N, DITHER[direction])[:, None] ^ torch.arange(m, device=keys_N.device))
     return (words >> 8).float() / 2 ** 24
 
 
 def fp16_ceil(a: torch.Tensor) -> torch.Tensor:
     """The smallest fp16 ≥ a (a ≥ 0, fp32)."""
     h = a.half()
-    return torch.where(h.float() < a, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.half)), h)
+    return torch.where(h.float() < a, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
 def pack(q_NM: torch.Tensor, bits: int) -> torch.Tensor:
@@ -150,18 +150,18 @@ def pack(q_NM: torch.Tensor, bits: int) -> torch.Tensor:
     if 8 % bits == 0:     # whole fields per byte: the same bytes as the bit stream below, 8/b at a time
         per = 8 // bits
         fields = torch.nn.functional.pad(q_NM, (0, (-m) % per)).view(N, -1, per)
-        return (fields << torch.arange(0, 8, bits)).sum(-1).to(torch.uint8)
-    stream = ((q_NM[:, :, None] >> torch.arange(bits)) & 1).reshape(N, m * bits)
+        return (fields << torch.arange(0, 8, bits, device=q_NM.device)).sum(-1).to(torch.uint8)
+    stream = ((q_NM[:, :, None] >> torch.arange(bits, device=q_NM.device)) & 1).reshape(N, m * bits)
     stream = torch.nn.functional.pad(stream, (0, (-m * bits) % 8)).view(N, -1, 8)
-    return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
+    return (stream << torch.arange(8, device=q_NM.device)).sum(-1).to(torch.uint8)
 
 
 def unpack(b_NB: torch.Tensor, m: int, bits: int) -> torch.Tensor:
-    N = b_NB.shape[0]
+    N, dev = b_NB.shape[0], b_NB.device
     if 8 % bits == 0:
-        return ((b_NB.long()[:, :, None] >> torch.arange(0, 8, bits)) & (2 ** bits - 1)).view(N, -1)[:, :m]
-    stream = ((b_NB.long()[:, :, None] >> torch.arange(8)) & 1).reshape(N, -1)[:, :m * bits]
-    return (stream.view(N, m, bits) << torch.arange(bits)).sum(-1)
+        return ((b_NB.long()[:, :, None] >> torch.arange(0, 8, bits, device=dev)) & (2 ** bits - 1)).view(N, -1)[:, :m]
+    stream = ((b_NB.long()[:, :, None] >> torch.arange(8, device=dev)) & 1).reshape(N, -1)[:, :m * bits]
+    return (stream.view(N, m, bits) << torch.arange(bits, device=dev)).sum(-1)
 
 
 def tile_scale(a_N1: torch.Tensor, r_NT: torch.Tensor, m: int, tile: int) -> torch.Tensor:
@@ -188,8 +188,8 @@ def tile_ratios(zs_NM: torch.Tensor, a_N1: torch.Tensor, tile: int) -> torch.Ten
     return r.long()
 
 
-def gauss_levels(bits: int) -> torch.Tensor:
-    half = torch.tensor(LLOYD_MAX[bits])
+def gauss_levels(bits: int, device=None) -> torch.Tensor:
+    half = torch.tensor(LLOYD_MAX[bits]).to(device)
     return torch.cat([-half.flip(0), half])
 
 
@@ -201,7 +201,7 @@ def gauss_encode(zs_NM: torch.Tensor, budget: Budget) -> torch.Tensor:
     af = a.float()[:, None]
     r = torch.round(rms * 255 / torch.where(af > 0, af, torch.ones_like(af))).clamp_(0, 255).long()
     s = tile_scale(af, r, m, budget.tile)
-    c = gauss_levels(budget.bits)
+    c = gauss_levels(budget.bits, zs_NM.device)
     q = torch.bucketize(torch.where(s > 0, zs_NM / s, torch.zeros_like(s)), (c[1:] + c[:-1]) / 2)
     return torch.cat([a.view(-1, 1).view(torch.uint8), r.to(torch.uint8), pack(q, budget.bits)], dim=-1)
 
@@ -228,12 +228,12 @@ def decode(code_NB: torch.Tensor, keys_N: torch.Tensor, budget: Budget, directio
     head = SCALE_BYTES + budget.tiles
     af = tile_scale(a, code_NB[:, SCALE_BYTES:head].long(), budget.m, budget.tile)   # (N, m)
     if budget.levels == "gauss":
-        zs = gauss_levels(budget.bits)[unpack(code_NB[:, head:], budget.m, budget.bits)] * af
+        zs = gauss_levels(budget.bits, code_NB.device)[unpack(code_NB[:, head:], budget.m, budget.bits)] * af
     else:
         levels = 2 ** budget.bits - 1
         q = unpack(code_NB[:, head:], budget.m, budget.bits).float()
         zs = (q - dither(keys_N, budget.m, direction) + 0.5) * (2 * af / levels) - af
         zs = torch.where(af > 0, zs, torch.zeros_like(zs))
-    z = torch.zeros(code_NB.shape[0], budget.d).scatter_(-1, kept_channels(_tagged(keys_N, SUBSET), budget.d, budget.m),
+    z = torch.zeros(code_NB.shape[0], budget.d, device=code_NB.device).scatter_(-1, kept_channels(_tagged(keys_N, SUBSET), budget.d, budget.m),
                                                           zs * (budget.d / budget.m))
     return unrotate(z, signs(keys_N, budget.d)).to(dtype)

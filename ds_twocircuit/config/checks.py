@@ -64,6 +64,7 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
     if tc.train.probe_every < 0:
         raise ConfigError(f"train.probe_every={tc.train.probe_every}: must be >= 0 (0: no probe)")
     check_anchor(tc.anchor)
+    check_collective_timeout(tc)
     check_control(tc)
     check_sampler(tc.sampler)
     if tc.anchor.enabled and ds.get("fp16", {}).get("enabled"):
@@ -173,6 +174,17 @@ def check_anchor(a: AnchorConfig) -> None:
         raise ConfigError(f"anchor.timeout={a.timeout}: must be > 0 seconds")
     if not 0.0 < a.replay_fraction <= 1.0:
         raise ConfigError(f"anchor.replay_fraction={a.replay_fraction}: must be in (0, 1]")
+
+
+def check_collective_timeout(tc: TwoCircuitConfig) -> None:
+    """In sync mode the other ranks wait in a collective while rank 0 waits up to anchor.timeout for a
+    sign: a collective timeout no longer than that would stop the run where the anchor's own timeout
+    (hold the last sign, go on) was meant to act."""
+    t, a = tc.train.collective_timeout, tc.anchor
+    if a.enabled and a.mode == "sync" and t <= a.timeout:
+        raise ConfigError(f"train.collective_timeout={t:g} must exceed anchor.timeout={a.timeout:g} (seconds) with "
+                          "anchor.mode=sync: the other ranks wait in a collective while rank 0 waits up to "
+                          "anchor.timeout for a sign (and generates, scores and evaluates besides)")
 
 
 def check_batches(tc: TwoCircuitConfig, ds: dict, dp: int) -> None:

@@ -55,6 +55,15 @@ def check_deepspeed_types(ds: dict) -> None:
         raise ConfigError(f"DeepSpeed config: zero_optimization.stage={stage!r}: must be 0, 1, 2 or 3")
     if "optimizer" in ds and not isinstance(ds["optimizer"].get("type"), str):
         raise ConfigError(f"DeepSpeed config: optimizer.type={ds['optimizer'].get('type')!r}: must name an optimizer")
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    if bf16_with_zero(ds) and accum not in (None, "fp32"):
+        raise ConfigError(f"DeepSpeed config: data_types.grad_accum_dtype={accum!r} with bf16 and "
+                          f"zero_optimization.stage={stage}: gradients summed over hundreds of micro-batches in "
+                          "half precision lose their small terms; use \"fp32\" (the default here)")
+
+
+def bf16_with_zero(ds: dict) -> bool:
+    return bool(ds.get("bf16", {}).get("enabled") and ds.get("zero_optimization", {}).get("stage", 0) > 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,9 +176,13 @@ def checkpoint_interval(ds: dict) -> int:
 
 
 def engine_config(ds: dict) -> dict:
-    """The DeepSpeed config the engine gets: the checkpoint interval resolved, and no monitor
-    sections (the run's logger writes every step's metrics to them instead of the engine writing
-    each pass's loss: this trainer's passes are log-prob passes and per-mini-batch updates)."""
+    """The DeepSpeed config the engine gets: the checkpoint interval resolved; no monitor sections
+    (the run's logger writes every step's metrics to them instead of the engine writing each pass's
+    loss: this trainer's passes are log-prob passes and per-mini-batch updates); and with bf16 and
+    ZeRO-1, gradients accumulated in fp32 (`data_types.grad_accum_dtype`), which DeepSpeed 0.19.8
+    otherwise leaves at the model's dtype (it then steps its bf16 optimizer, ZeRO-1 partitioned)."""
     out = {k: v for k, v in ds.items() if k not in MONITORS}
     out["pipeline"] = {**ds.get("pipeline", {}), "activation_checkpoint_interval": checkpoint_interval(ds)}
+    if bf16_with_zero(ds):
+        out["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
     return out

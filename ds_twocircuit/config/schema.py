@@ -122,6 +122,13 @@ class TrainConfig:
     dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
     probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
     max_skipped_steps: int = opt(5, "stop after this many steps in a row skipped for a non-finite loss or gradient", lo=1)
+    collective_timeout: float = opt(3600.0, "seconds a rank waits in a collective of the default process group or "
+                                    "the control path before the run stops with one line naming this key; the other "
+                                    "ranks wait while rank 0 generates and scores a rollout, evaluates the held-out "
+                                    "set and, with the anchor in sync mode, waits up to anchor.timeout for a sign, so "
+                                    "it must exceed the sum of those (the default: 50 minutes beside a 600 s anchor "
+                                    "wait); on GPUs NCCL's watchdog may abort the ranks instead, without that line",
+                                    lo=1)
 
 
 @dataclass

@@ -4,8 +4,14 @@ Per response token t of sequence i, with ρ = exp(logπ_θ − logπ_old) and ad
 
     pg_t  = max(−Â·ρ, −Â·clip(ρ, 1−ε_low, 1+ε_high))          (PPO clip)
     pg_t  = min(pg_t, −Â·c)                  if Â < 0           (dual-clip, c = clip_ratio_c > 1)
-    kl_t  = exp(logπ_ref − logπ_θ) − (logπ_ref − logπ_θ) − 1    (k3 estimator, ≥ 0, unbiased for KL(π_θ‖π_ref))
+    kl_t  = exp(d) − d − 1,  d = logπ_ref − logπ_θ               (k3 estimator, ≥ 0, unbiased for KL(π_θ‖π_ref))
     ℓ_t   = pg_t + β·kl_t
+
+The KL term exists only where it counts: not at all at β = 0, and on response tokens only (d is set
+to 0 elsewhere before the exponential: off the response the reference is a placeholder, and a
+target's log-prob below about −88.7 would make e^d inf and 0·inf a NaN in the loss and its
+gradient). Clamped as verl's k3 (`low_var_kl`): d to [−20, 20], kl_t to at most 10; where neither
+clamp binds the numbers are the unclamped ones bit for bit.
 
 Aggregation is token-mean over the whole PPO mini-batch: L = Σ_t w_t·ℓ_t with w_t = 1/N_tokens on
 response tokens (0 elsewhere), N_tokens counted over the mini-batch, not the micro-batch. The caller
@@ -33,10 +39,18 @@ class LossCoefs:
         return cls(g.clip_low, g.clip_high, g.clip_ratio_c, g.kl_coef)
 
 
-def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
-    """(B, T) k3 estimate per token of KL(π_θ‖π_ref) at tokens sampled from π: e^d − d − 1, d = logπ_ref − logπ_θ."""
+KL_LOG_RATIO_CLAMP, KL_CLAMP = 20.0, 10.0     # verl's low_var_kl bounds
+
+
+def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) k3 estimate per token of KL(π_θ‖π_ref) at tokens sampled from π: e^d − d − 1,
+    d = logπ_ref − logπ_θ clamped to ±20, the estimate to ≤ 10; 0 where `mask_BT` is False (d is
+    masked before the exponential, so a placeholder reference never makes an inf)."""
     d = ref_logp_BT - logp_BT
-    return torch.exp(d) - d - 1.0
+    if mask_BT is not None:
+        d = torch.where(mask_BT, d, torch.zeros_like(d))
+    d = d.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1.0).clamp(max=KL_CLAMP)
 
 
 def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: LossCoefs):
@@ -53,22 +67,22 @@ def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: 
     pg = torch.maximum(pg_unclipped, pg_clipped)
     dual_bound = -adv_B1 * coefs.clip_ratio_c
     pg_dual = torch.where(adv_B1 < 0, torch.minimum(pg, dual_bound), pg)
-    kl = k3_kl(logp_BT, ref_logp_BT)
-    loss = (weight_BT * (pg_dual + coefs.kl_coef * kl)).sum()
+    kl = k3_kl(logp_BT, ref_logp_BT, weight_BT > 0) if coefs.kl_coef > 0 else None
+    loss = (weight_BT * (pg_dual + coefs.kl_coef * kl if kl is not None else pg_dual)).sum()
 
     with torch.no_grad():
         w = weight_BT
         clipped_up = (pg_clipped > pg_unclipped) & (adv_B1 > 0)    # ratio above 1+ε_high, Â>0
         clipped_low = (pg_clipped > pg_unclipped) & (adv_B1 < 0)   # ratio below 1−ε_low, Â<0
         dual = (pg > dual_bound) & (adv_B1 < 0)
-        sums = {
+        sums = {   # verl's names mean verl's quantities: its pg_clipfrac_lower is the dual-clip share
             "actor/pg_loss": (w * pg_dual).sum(),
-            "actor/kl_loss": (w * kl).sum(),
             "actor/ppo_kl": (w * -log_ratio).sum(),
             "actor/abs_log_ratio": (w * log_ratio.abs()).sum(),   # 0 exactly iff every ratio is 1
             "actor/pg_clipfrac": (w * (clipped_up | clipped_low).float()).sum(),
-            "actor/pg_clipfrac_lower": (w * clipped_low.float()).sum(),
-            "actor/pg_clipfrac_dual": (w * dual.float()).sum(),
+            "actor/pg_clipfrac_lower": (w * dual.float()).sum(),
+            "actor/pg_clipfrac_below": (w * clipped_low.float()).sum(),
+            **({"actor/kl_loss": (w * kl).sum()} if kl is not None else {}),
         }
     return loss, sums
 

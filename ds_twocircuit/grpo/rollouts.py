@@ -7,6 +7,7 @@ target j, and every per-token tensor below lives there.
 """
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import Collection
 
 import torch
 
@@ -43,15 +44,17 @@ class Rollout:
         return float(self.resp_NT1.sum())
 
 
-def response_lengths(r: Rollout, eos_id: int, max_new_tokens: int) -> dict[str, float]:
+def response_lengths(r: Rollout, eos_ids: int | Collection[int], max_new_tokens: int) -> dict[str, float]:
     """verl's response_length/{mean,max,min,clip_ratio} of a batch (lengths count the eos token).
-    A response is clipped when it used all `max_new_tokens` without producing eos; verl counts every
-    response of full length, so one whose eos is its last allowed token counts there, not here."""
+    A response is clipped when it used all `max_new_tokens` without producing any of `eos_ids` (one
+    id or several: chat models name more than one); verl counts every response of full length, so
+    one whose eos is its last allowed token counts there, not here."""
     len_N = r.resp_NT1.sum(1)
     cols = torch.arange(1, r.resp_NT1.shape[1] + 1, dtype=r.resp_NT1.dtype)
     last_N = (r.resp_NT1 * cols).argmax(1)                    # the last response target's column
     token_N = r.ids_NT.gather(1, (last_N + 1)[:, None])[:, 0]  # target column j is ids[:, j+1]
-    clipped_N = (len_N >= max_new_tokens) & (token_N != eos_id)
+    eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), dtype=token_N.dtype)
+    clipped_N = (len_N >= max_new_tokens) & ~torch.isin(token_N, eos)
     return {"response_length/mean": float(len_N.mean()), "response_length/max": float(len_N.max()),
             "response_length/min": float(len_N.min()), "response_length/clip_ratio": float(clipped_N.float().mean())}
 

@@ -22,9 +22,9 @@ def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]
     """Weighted sums over tokens (weights sum to 1 over the batch) → means once summed over ranks.
 
     The Pearson needs moments; they are returned as sums and finished by `finish_mismatch`."""
-    d = trainer_logp - sampler_logp
-    ps, pt = sampler_logp.exp(), trainer_logp.exp()
     w = weight
+    d = torch.where(w > 0, trainer_logp - sampler_logp, torch.zeros_like(w))   # 0 before e^d off the response
+    ps, pt = sampler_logp.exp(), trainer_logp.exp()
     return {
         "rollout_corr/kl": (w * -d).sum(),
         "rollout_corr/k3_kl": (w * (d.exp() - d - 1)).sum(),

@@ -25,13 +25,13 @@ import sys
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..grpo.advantages import zero_advantage_groups
 from .health import finish_mismatch
+from ..pipeline import comm
 
 LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
-          "actor/pg_clipfrac_dual", "actor/entropy"]
+          "actor/pg_clipfrac_below", "actor/entropy"]   # actor/kl_loss only at β > 0
 # off-policy steps (several PPO mini-batches or epochs): the first update's Σ w·|log ρ|, exactly 0 when
 # its train pass reproduces the old-policy pass (same weights, same codec keys)
 FIRST_RATIO = "actor/first_update_abs_log_ratio"
@@ -46,10 +46,8 @@ def sum_to_rank0(partials: dict[str, float]) -> dict[str, float] | None:
     # the key list's checksum travels last: a rank with other keys is an error, not a silent mix-up
     vec = torch.tensor([float(partials[k]) for k in keys] + [float(zlib.crc32("\n".join(keys).encode()))],
                        dtype=torch.float64)
-    rank0 = dist.get_rank() == 0
-    rows = [torch.empty_like(vec) for _ in range(dist.get_world_size())] if rank0 else None
-    dist.gather(vec, rows, dst=0)
-    if not rank0:
+    rows = comm.gather_to_rank0(vec)
+    if rows is None:
         return None
     assert all(r[-1] == vec[-1] for r in rows), "ranks reported different metric keys"
     total = torch.zeros_like(vec)
@@ -81,7 +79,7 @@ def movement_partials(params, base, stage: int, num_stages: int, counted: bool) 
     if counted:
         for p, b in zip(params, base):
             p, b = p.detach().double(), b.double()
-            v += torch.stack([(p - b).pow(2).sum(), b.pow(2).sum(), (p * b).sum(), p.pow(2).sum()])
+            v = v.to(p.device) + torch.stack([(p - b).pow(2).sum(), b.pow(2).sum(), (p * b).sum(), p.pow(2).sum()])
     return per_stage(MOVEMENT, stage, num_stages, "weights", v.tolist())
 
 

@@ -47,15 +47,19 @@ def positions_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
 
 
 def span_from_mask(attn_BT: torch.Tensor) -> torch.Tensor:
-    """(B, T) 0/1 mask with contiguous ones → (B, 2) [first, last+1); raises if not contiguous."""
+    """(B, T) 0/1 mask with contiguous ones (check_contiguous) → (B, 2) [first, last+1), on its device."""
     T = attn_BT.shape[1]
-    t = torch.arange(T)
+    t = torch.arange(T, device=attn_BT.device)
     start = torch.where(attn_BT.bool(), t, T).min(1).values
     end = torch.where(attn_BT.bool(), t + 1, 0).max(1).values
-    span = torch.stack([start, end], 1)
-    if not torch.equal(mask_from_span(span, T), attn_BT.long()):
+    return torch.stack([start, end], 1)
+
+
+def check_contiguous(attn_BT: torch.Tensor) -> None:
+    """Raise unless every row's ones are contiguous: what span_from_mask assumes. A data-dependent
+    check, so it runs on the host before a pass (passes.micro_batches), not in the stage's forward."""
+    if not torch.equal(mask_from_span(span_from_mask(attn_BT), attn_BT.shape[1]), attn_BT.long()):
         raise ValueError("attention mask must be contiguous per row (left-padded prompt, right-padded response)")
-    return span
 
 
 def mask_from_span(span_B2: torch.Tensor, T: int) -> torch.Tensor:
@@ -74,8 +78,6 @@ class Embed(torch.nn.Module):
         ids_BT, attn_BT, sid_B, *share = inputs       # share: [P, G] with the prompt shared
         rows = [span_from_mask(attn_BT), sid_B[:, None]]
         if share:
-            P, G = (int(v) for v in share[0])
-            shared_prompts.check_groups(ids_BT, P, G)
             rows.append(share[0].to(sid_B.dtype).expand(len(sid_B), 2))
         return self.embed_tokens(ids_BT), torch.cat(rows, 1).int()
 
@@ -212,6 +214,16 @@ class TwoCircuitPipe(PipelineModule):
         assert self.parts[-1] == len(self._layer_specs), (self.parts, len(self._layer_specs))
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's broadcast of each tied weight from its first stage, outside autograd. The parent
+        runs it in place on the parameter in grad mode (from PipelineModule.__init__, which dispatches
+        to this override, and from load_state_dir), and c10d::broadcast_ has no autograd kernel:
+        PyTorch notes the in-place op on the parameter and warns, at the first backward through it,
+        that this "may lead to silently incorrect behavior". Copying weights between stages is not
+        part of the model's function: no_grad says so (the same values are copied)."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
 
     @property
     def stage(self) -> int:

@@ -8,6 +8,7 @@ directory that `AutoModelForCausalLM.from_pretrained` (and vLLM) load.
 import json
 import os
 import pathlib
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -88,16 +89,6 @@ def write_index(out_dir: pathlib.Path, names_per_stage: list[list[str]], config,
     if tokenizer_dir:
         from transformers import AutoTokenizer
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
-
-
-def export_pipeline(pipe, dp_rank: int, out_dir: pathlib.Path, tokenizer_dir: str) -> None:
-    """The pipeline's current weights as an HF checkpoint (collective): each stage of data-parallel
-    replica 0 writes its shard, then global rank 0 the index, config and tokenizer."""
-    import torch.distributed as dist
-    if dp_rank == 0:
-        mine = pipe.hf_parameters()
-        names = pipe.hf_names_per_stage()[pipe.stage_id]
-        write_stage_shard(out_dir, pipe.stage_id, pipe.num_stages, {n: mine[n] for n in names})
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_index(out_dir, pipe.hf_names_per_stage(), pipe.config, tokenizer_dir)
+        gen = pathlib.Path(tokenizer_dir) / "generation_config.json"   # its end-of-sequence ids, as the source lists them
+        if gen.is_file():
+            shutil.copyfile(gen, out_dir / "generation_config.json")

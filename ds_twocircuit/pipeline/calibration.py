@@ -10,7 +10,8 @@ receiving stage (codec/lowrank.py); the anchor refreshes them at every fire from
 import contextlib
 
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 from ..codec.geometry import cut_layers
 from ..codec.lowrank import top_basis
@@ -44,10 +45,9 @@ def initial_bases(p, batch: Rollout) -> None:
             continue
         if p.stage == b:
             q = top_basis(torch.cat(acts[layer]), p.codec.k)
-            dist.send(q, dst=grid.stage_to_global(stage_id=b + 1, data=dp))
+            comm.send_tensor(q, grid.stage_to_global(stage_id=b + 1, data=dp))
         else:
-            q = torch.empty(p.codec.d, p.codec.k)
-            dist.recv(q, src=grid.stage_to_global(stage_id=b, data=dp))
+            q = comm.recv_tensor((p.codec.d, p.codec.k), torch.float32, grid.stage_to_global(stage_id=b, data=dp))
         p.codec.set_bases({layer: q})
 
 

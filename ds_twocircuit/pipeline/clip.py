@@ -11,7 +11,8 @@ step_order.py):
 In bf16 and ZeRO-1 DeepSpeed's own clip is already correct; there this only reads its norm.
 """
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 
 class TrueNormClip:
@@ -24,11 +25,11 @@ class TrueNormClip:
 
     @torch.no_grad()
     def clip(self) -> None:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=comm.device())
         for p in self.params:
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq, group=self.group)
+        comm.all_reduce_sum_(sq, self.group)
         self.last_norm = float(sq.sqrt())
         if self.max_norm > 0 and self.last_norm > self.max_norm:
             coef = self.max_norm / (self.last_norm + 1e-6)

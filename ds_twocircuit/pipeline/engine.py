@@ -11,6 +11,7 @@ from typing import Any
 
 import deepspeed
 
+from . import comm
 from .clip import TrueNormClip
 from ..codec.boundary import Codec, build_codec
 from ..config.deepspeed_keys import engine_config
@@ -18,17 +19,22 @@ from ..model.pipe import TwoCircuitPipe, load_hf_config
 from .passes import LastStage
 
 
-def init_distributed() -> None:
-    """gloo on CPU (DeepSpeed's CPU default, oneCCL, is rarely installed), the accelerator's own elsewhere.
+def init_distributed(timeout_s: float) -> None:
+    """gloo on CPU (DeepSpeed's CPU default, oneCCL, is rarely installed), the accelerator's own elsewhere
+    (NCCL on GPUs), with the control path's gloo group beside it (comm.py); every collective of either
+    waits at most `timeout_s` (train.collective_timeout).
 
     DeepSpeed's CPU backend also JIT-builds a shared-memory all-reduce op for inference and leaves a
     69 MB /dev/shm file per rank behind; training never uses it, so it is switched off here."""
+    import datetime
+
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     if get_accelerator().device_name() == "cpu":
         getattr(deepspeed.ops, "__compatible_ops__", {})["deepspeed_shm_comm"] = False
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    comm.init(timeout_s)
 
 
 def per_parameter_grads(ds_config: dict) -> bool:
@@ -98,6 +104,10 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
         ds["bf16"].setdefault("check_grad_overflow", True)   # else its ZeRO path steps a NaN norm (guard.py)
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()
                                                                          if p.requires_grad], config=ds)
+    if pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
+        weights, accum = engine.get_data_types()
+        print(f"[deepspeed] {type(engine.optimizer).__name__}: weights in {str(weights).removeprefix('torch.')}, "
+              f"gradients accumulated in {str(accum).removeprefix('torch.')}", flush=True)
     if pipe.activation_checkpoint_interval and pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
         kind = "non-reentrant" if ds["pipeline"].get("use_reentrant") is False else "reentrant"
         print(f"activation checkpointing ({kind}): every {pipe.activation_checkpoint_interval} decoder layer(s); "

@@ -86,13 +86,17 @@ class GradientComparison:
     def before(self) -> None:
         for name, g, lp, d in self._counted():
             gd = g.double()
-            self._sums["before"] += torch.stack([gd @ d, gd @ gd, d @ d])
+            self._add("before", torch.stack([gd @ d, gd @ gd, d @ d]))
 
     @torch.no_grad()
     def after(self) -> None:
         for name, g, lp, d in self._counted():
             k = g.double()
-            self._sums["after"] += torch.stack([k @ d, k @ k])
+            self._add("after", torch.stack([k @ d, k @ k]))
+
+    def _add(self, key: str, v: torch.Tensor) -> None:
+        """Sum on the gradients' device (the host zeros move there once)."""
+        self._sums[key] = self._sums[key].to(v.device) + v
 
     def _counted(self):
         if self._dense is None:
@@ -124,9 +128,9 @@ class SteppedNorm:
     def record(self) -> None:
         if self._sq is None:
             return
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = 0.0                     # a tensor on the gradients' device after the first
         for _, g, _, counted in self.views:
             if counted:
                 gd = g.double()      # one float64 copy per tensor, no second temporary for g²
-                sq += gd @ gd
+                sq = sq + gd @ gd
         self._sq.append(float(sq))

@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 
 @dataclass
@@ -100,7 +101,7 @@ class FiniteGuard:
     def _step(self, *args, **kwargs):
         flags = torch.zeros(self.pipe.num_stages, dtype=torch.float32)
         flags[self.pipe.stage_id] = float(self._local_bad())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        comm.max_over_world(flags)
         seen = {int(s) for s in torch.nonzero(flags).flatten()}
         opt = self.engine.optimizer
         if self.own_skip:

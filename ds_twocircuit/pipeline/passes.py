@@ -24,6 +24,7 @@ import torch
 from ..codec import shared_prompts
 from ..grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
 from ..grpo.rollouts import Rollout
+from ..model.pipe import check_contiguous
 
 
 class LastStage:
@@ -65,7 +66,7 @@ class _GRPOLoss:
     def __init__(self, coefs: LossCoefs, temperature: float, scale: int, old_is_current: bool):
         self.coefs, self.temperature, self.scale, self.old_is_current = coefs, temperature, scale, old_is_current
         self.logps: list[torch.Tensor] = []
-        self.sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+        self.sums: dict[str, torch.Tensor] = defaultdict(float)   # 0.0 + the first micro-batch's, on its device
 
     def __call__(self, logits_BTV, labels):
         targets, weight, adv, old, ref = labels
@@ -90,10 +91,13 @@ class Update:
 def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1, share: int = 0):
     """DeepSpeed's ((ids, attn, sid[, [P, G]]), labels) micro-batches of `micro` sequences, in order;
     with `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py)."""
+    check_contiguous(r.attn_NT)
     P = shared_prompts.prompt_columns(r.resp_NT1) if share else 0
     extra = (torch.tensor([P, share]),) if P else ()
     for i in range(0, r.ids_NT.shape[0], micro):
         s = slice(i, i + micro)
+        if P:
+            shared_prompts.check_groups(r.ids_NT[s], P, share)
         yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s], *extra),
                (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
 

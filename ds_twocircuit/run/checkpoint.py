@@ -99,13 +99,15 @@ class Checkpointer:
         """DeepSpeed's save, sealed by each node, then named by `latest` (every rank calls it;
         `anchor_fire`: the fire the anchor holds, −1 without one)."""
         import torch.distributed as dist
+
+        from ..pipeline import comm
         tag = f"step{done}"
         fault_point("save", done)
         self.engine.save_checkpoint(str(self.dir), tag=tag, client_state={"step": done, "anchor_fire": anchor_fire},
                                     save_latest=False)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:          # DeepSpeed's save ends in a barrier
             seal(self.dir / tag, f"node{os.environ.get('CROSS_RANK', '0')}")
-        dist.barrier()
+        comm.barrier()
         if dist.get_rank() == 0:
             point_latest(self.dir, tag)
 

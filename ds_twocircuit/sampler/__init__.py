@@ -5,6 +5,10 @@ dense weights after every optimizer step, and say which weights it holds (names,
 the trainer sizes its weight gather and checks the anchor's files by them). Two backends:
 `hf.HFSampler` (HF `generate` in the trainer's process, the light default) and `vllm.VLLMSampler`
 (a vLLM engine; vllm is imported there only). Importing this module pulls in torch only.
+
+Both stop a response at the first of any of the model's EOS ids (`eos_ids`: chat models name
+several, end-of-turn and end-of-text) and sample from softmax(logits / τ) alone, whatever sampling
+fields the model's generation_config.json holds (repetition_penalty, min_p, ...).
 """
 from dataclasses import dataclass
 from typing import Mapping, Protocol
@@ -39,6 +43,19 @@ class Sampler(Protocol):
 
     def close(self) -> None:
         """Release what it started (engine processes)."""
+
+
+def eos_ids(model_dir: str, tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's eos, then the model's generation_config
+    eos_token_id (an int or a list); without a generation_config.json, config.json's, as HF's
+    loading falls back."""
+    from transformers import AutoConfig, GenerationConfig
+    try:
+        named = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        named = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir)).eos_token_id
+    named = [named] if isinstance(named, int) else list(named or [])
+    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *named]) if i is not None]
 
 
 def build_sampler(model_dir: str, tc) -> Sampler:

@@ -1,19 +1,25 @@
 """HF `generate` sampler on a dense copy of the current weights (the CPU default backend).
 
-It records the log-probability of every token it sampled under its own sampling distribution
-(softmax(logits/τ), no top-k/top-p), so the trainer can measure the train-inference mismatch.
-Prompts are left-padded; the response runs through the first end-of-sequence token, padding after.
+It samples from softmax(logits/τ) and nothing else, and records the log-probability of every
+sampled token under that distribution, so the trainer can measure the train-inference mismatch;
+greedy is the plain argmax. The model's own generation_config.json adds nothing: HF `generate`
+fills every field a passed config leaves unset from `model.generation_config`, so a saved
+repetition_penalty, min_p, no_repeat_ngram_size, suppress_tokens, ... would change the draws but
+not the logged numbers; the sampler replaces the model's with a neutral one. Prompts are
+left-padded; the response runs through the first of any of the model's EOS ids (`eos_ids`),
+padding after.
 """
 from typing import Mapping
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from . import Generation
+from . import Generation, eos_ids
 
 
 class HFSampler:
-    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`)."""
+    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`): draws from
+    softmax(logits/τ) alone, greedy by argmax, stops on every EOS id of the model."""
 
     def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -21,7 +27,10 @@ class HFSampler:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_implementation).eval()
         self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = eos_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        # `generate` fills what a passed config leaves unset from this one: neutral, it adds nothing
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], changed: set[str] | None = None) -> int:
@@ -50,13 +59,10 @@ class HFSampler:
             torch.manual_seed(seed)
         enc = self.tokenizer([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
                              add_special_tokens=False)
-        sample = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
-        out = self.model.generate(
-            **enc, do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True, **sample)
+        out = self.model.generate(**enc, generation_config=self._config(greedy, max_new_tokens, temperature))
         P = enc["input_ids"].shape[1]
         gen_NR = out.sequences[:, P:]
-        is_eos = (gen_NR == self.eos_id).long()
+        is_eos = torch.isin(gen_NR, torch.tensor(self.eos_ids, dtype=torch.long)).long()
         resp_NR = (is_eos.cumsum(1) - is_eos) == 0            # through the first eos, inclusive
         logits_NRV = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         logp_NR = torch.log_softmax(logits_NRV, -1).gather(-1, gen_NR.unsqueeze(-1)).squeeze(-1)
@@ -71,6 +77,12 @@ class HFSampler:
             logp_NT1=torch.cat([pad, logp_NR * resp_NR], 1),
             texts=texts,
         )
+
+    def _config(self, greedy: bool, max_new_tokens: int, temperature: float) -> GenerationConfig:
+        """Only what we mean: no logits processor but the temperature (top_k=0, top_p=1 disable those)."""
+        sample = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+        return GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                                pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True, **sample)
 
 
 def greedy_accuracy(sampler, prompts: list[str], answers: list[str], reward, max_new_tokens: int,

@@ -18,7 +18,10 @@ vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
 
 Prompts are tokenized here (the trainer's tokenizer, no special tokens added) and passed as token
 ids, so both backends see the same ids. The Generation it returns has the HF backend's layout:
-prompts left-padded, responses right-padded to the longest, through the first EOS.
+prompts left-padded, responses right-padded to the longest, through the first of any of the
+model's EOS ids (`eos_ids`: each request stops on every one). Explicit SamplingParams leave the
+model's generation_config.json sampling fields unused (vLLM applies those only to requests that
+come without any), so the draws are from softmax(logits / τ) alone, as in the HF backend.
 """
 from typing import Mapping
 
@@ -27,7 +30,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from . import Generation
+from . import Generation, eos_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,6 +61,7 @@ class VLLMSampler:
         from vllm.platforms import current_platform
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = eos_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         config = AutoConfig.from_pretrained(model_dir)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -100,7 +104,7 @@ class VLLMSampler:
         from vllm import SamplingParams
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         base = self.seed if seed is None else seed
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=[self.eos_id],
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(self.eos_ids),
                                  **({"temperature": 0.0} if greedy else
                                     {"temperature": temperature, "top_k": 0, "top_p": 1.0,
                                      "seed": (base * 1_000_003 + i) % 2 ** 63}))
@@ -140,7 +144,7 @@ class VLLMSampler:
         logp_NT1 = torch.zeros(N, P + R - 1)
         texts = []
         for i, (x, c) in enumerate(rows):
-            r = _through_eos(list(c.token_ids), self.eos_id)
+            r = _through_eos(list(c.token_ids), self.eos_ids)
             ids_NT[i, P - len(x):P] = torch.tensor(x)
             ids_NT[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
             attn_NT[i, P - len(x):P + len(r)] = 1
@@ -156,7 +160,8 @@ class VLLMSampler:
             engine.engine_core.shutdown()
 
 
-def _through_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+def _through_eos(tokens: list[int], eos_ids) -> list[int]:
+    """`tokens` through the first of any id in `eos_ids`, inclusive (all of them if none occurs)."""
+    return tokens[:next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))]
 
 

@@ -15,7 +15,8 @@ unchanged one costs one byte. The receiver rebuilds new = old with new[changed] 
 `old = None` (nothing sent yet) always encodes dense.
 
 A blob of several tensors (`encode_all`) is their encodings in order, each behind its length as
-8 bytes little-endian; both ends know the tensors' names, shapes and dtype. Pure: torch and numpy.
+8 bytes little-endian; both ends know the tensors' names, shapes and dtype. Pure: torch and numpy, on
+host tensors (the weight sync copies a stage's weights to the CPU first).
 """
 from dataclasses import dataclass
 

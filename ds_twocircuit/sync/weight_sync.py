@@ -1,10 +1,10 @@
 """The sampler's weight sync: every stage's weights to global rank 0 as lossless deltas in the
 sampler's dtype (delta.py).
 
-After every optimizer step each stage (its data-parallel replica 0) rounds its parameters to the
-sampler's dtype, encodes the tensors' changes since its previous sync and sends the blob to global
-rank 0 over torch.distributed p2p: a 16-byte header (blob length, elements changed), then the
-blob. Rank 0 rebuilds the whole model's sampler-dtype weights (`mirror`: bitwise the trainer's
+After every optimizer step each stage (its data-parallel replica 0) copies its parameters to the
+host in the sampler's dtype, encodes the tensors' changes since its previous sync and sends the
+blob to global rank 0 (pipeline/comm.py): a 16-byte header (blob length, elements changed) on the
+control path, then the blob on the device path. Rank 0 rebuilds the whole model's sampler-dtype weights (`mirror`: bitwise the trainer's
 weights rounded to that dtype) and names the tensors that changed, which the sampler takes in. The first sync
 of a process sends every tensor whole. Rank 0's own stage never crosses a wire.
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from ..pipeline import comm
 from .delta import DeltaStats, changed_mask, decode_all, encode_all, unchanged
 
 
@@ -43,11 +44,11 @@ class WeightSync:
         if self.grid.get_data_parallel_rank() != 0:
             return None, {}
         mine = self.pipe.hf_parameters()
-        own = [mine[n].detach().to(self.dtype, copy=True) for n in self.names[self.pipe.stage_id]]
+        # the deltas are coded on the host: one copy of the stage in the sampler's dtype
+        own = [mine[n].detach().to("cpu", self.dtype, copy=True) for n in self.names[self.pipe.stage_id]]
         if dist.get_rank() != 0:
             blob, stats = encode_all(self.sent or [None] * len(own), own)
-            dist.send(torch.tensor([len(blob), stats.changed], dtype=torch.int64), dst=0)
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=0)
+            comm.send_bytes(blob, 0, [stats.changed])
             self.sent = own
             return None, {}
         changed, own_changed = self._own(own)
@@ -73,12 +74,8 @@ class WeightSync:
 
     def _receive(self, stage: int) -> tuple[dict[str, torch.Tensor], DeltaStats]:
         """Stage `stage`'s blob into the mirror; → (the tensors that changed, the wire's stats)."""
-        src = self.grid.stage_to_global(stage_id=stage, data=0)
-        head = torch.empty(2, dtype=torch.int64)
-        dist.recv(head, src=src)
-        buf = torch.empty(int(head[0]), dtype=torch.uint8)
-        dist.recv(buf, src=src)
-        names, blob = self.names[stage], buf.numpy().tobytes()
+        blob, (changed,) = comm.recv_bytes(self.grid.stage_to_global(stage_id=stage, data=0), 1)
+        names = self.names[stage]
         news = decode_all([self.mirror.get(n) for n in names], blob, [tuple(self.shapes[n][0]) for n in names],
                           self.dtype)
         out = {}
@@ -86,7 +83,7 @@ class WeightSync:
             if not same:
                 self.mirror[n] = out[n] = t
         numel = sum(t.numel() for t in news)
-        return out, DeltaStats(int(head[1]), numel, 16 + len(blob), numel * self.elt)
+        return out, DeltaStats(changed, numel, 16 + len(blob), numel * self.elt)
 
 
 def dump_for_tests(mirror: dict[str, torch.Tensor], sampler) -> None:

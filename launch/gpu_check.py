@@ -1,0 +1,40 @@
+"""The GPU checks in one command, one line per check: `python launch/gpu_check.py [pytest args]`.
+
+Run on a machine with 1–8 NVIDIA GPUs after installing the CUDA build of torch and the vLLM
+extra (`pip install torch -e '.[test,vllm]'`). It runs tests/test_gpu.py (the pipeline's logits
+over NCCL against HF, vLLM's CUDA engine taking weights in place, a bf16 launch, and the whole
+product: bf16 + ZeRO-1, PRF, the anchor process, vLLM, every collective recorded, a kill and a
+resume) and prints, per check, PASS / FAIL / SKIP, its seconds and, for a failure, its first
+line. Expected: about 5 minutes on one H100 (8 at most); exit status 1 if any check failed.
+"""
+import pathlib
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str]) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(tmp) / "gpu.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", "tests/test_gpu.py", *argv], cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not report.is_file():
+            print("FAIL  pytest did not run (see `python -m pytest -m gpu tests/test_gpu.py`)")
+            return 1
+        failed = 0
+        for case in ET.parse(report).getroot().iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skip = case.find("skipped")
+            verdict = "FAIL" if bad is not None else "SKIP" if skip is not None else "PASS"
+            why = (bad if bad is not None else skip).get("message", "") if verdict != "PASS" else ""
+            print(f"{verdict}  {case.get('name')}  {float(case.get('time', 0)):.0f} s  {why.splitlines()[0][:160] if why else ''}")
+            failed += verdict == "FAIL"
+        return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
