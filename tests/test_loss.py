@@ -69,7 +69,7 @@ def verl_reference(logp, old, ref, adv_B, mask, coefs):
     pg3 = -adv * coefs.clip_ratio_c
     pg = torch.where(adv < 0, torch.min(pg3, clip1), clip1)
     kl = torch.clamp(ref - logp, -20, 20)
-    kld = torch.clamp(torch.exp(kl) - kl - 1, -10, 10)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, -10, 10)          # its second clamp: not ours, does not bind here
     return {"actor/pg_loss": mean(pg), "actor/ppo_kl": mean(-neg_kl), "actor/pg_clipfrac": mean(torch.gt(pg2, pg1).float()),
             "actor/pg_clipfrac_lower": mean(torch.gt(clip1, pg3).float() * (adv < 0).float()), "actor/kl_loss": mean(kld),
             "loss": mean(pg) + coefs.kl_coef * mean(kld)}
@@ -91,6 +91,8 @@ def test_the_keys_we_share_with_verl_mean_what_they_mean_there():
     want = verl_reference(logp, old, ref, adv, mask, coefs)
     want_grad, = torch.autograd.grad(want.pop("loss"), logp)
     assert 0 < float(want["actor/pg_clipfrac_lower"]) < float(want["actor/pg_clipfrac"])
+    d = ref - logp.detach()
+    assert float((torch.exp(d) - d - 1).max()) < 10          # verl's estimate clamp, which we leave out, binds nowhere
     for k, v in want.items():
         assert math.isclose(float(sums[k]), float(v), rel_tol=1e-6, abs_tol=1e-7), (k, float(sums[k]), float(v))
     torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-8)
@@ -99,8 +101,8 @@ def test_the_keys_we_share_with_verl_mean_what_they_mean_there():
 def test_the_kl_term_counts_only_where_it_can_and_never_makes_a_nan():
     """A target far below the reference off the response (log-prob −100, reference placeholder 0:
     e^100 is inf in float32) leaves the loss and its gradient finite; at β = 0 there is no KL at all
-    (no actor/kl_loss); where no clamp binds and nothing was masked the numbers are the unmasked
-    formula's bit for bit; a token whose KL exceeds verl's bound 10 counts 10."""
+    (no actor/kl_loss); where the clamp of d to ±20 does not bind and nothing was masked the numbers
+    are the unmasked formula's bit for bit; past it (d = 30 on the response: e^30 − 31) d counts 20."""
     g = torch.Generator().manual_seed(4)
     B, T = 4, 6
     logp = (-torch.rand(B, T, generator=g)).requires_grad_()
@@ -122,8 +124,8 @@ def test_the_kl_term_counts_only_where_it_can_and_never_makes_a_nan():
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(sums["actor/kl_loss"])
     _, sums0 = grpo_token_loss(far, far.detach(), ref_off, adv, w_off, LossCoefs(kl_coef=0.0))
     assert "actor/kl_loss" not in sums0
-    _, _, s = one_token(0.0, 0.0, ref_diff=5.0)         # e^5 − 5 − 1 = 142.4: clamped as verl does
-    assert s["actor/kl_loss"] == 10.0
+    _, _, s = one_token(0.0, 0.0, ref_diff=30.0)
+    assert s["actor/kl_loss"] == pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
 
 
 def test_token_mean_invariant_to_split():
