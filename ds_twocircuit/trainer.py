@@ -36,6 +36,7 @@ from .metrics import telemetry
 from .actor import Actor
 from .anchor.link import AnchorLink
 from .pipeline.calibration import initial_bases
+from .run import provenance
 from .run.checkpoint import Checkpointer
 from .config import RunConfig, as_dict
 from .pipeline import comm
@@ -51,7 +52,8 @@ from .sync.weight_sync import WeightSync
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, run_dir: pathlib.Path, model_dir: str, resume: bool):
+    def __init__(self, run: RunConfig, run_dir: pathlib.Path, model_dir: str, resume: bool, start: dict | None = None):
+        """`start`: rank 0's provenance of the starting model (run/provenance.py), recorded in the run dir."""
         tc = self.tc = run.tc
         self.run_dir, self.model_dir = run_dir, model_dir
         p = build_pipeline(model_dir, tc, run.ds)
@@ -64,6 +66,8 @@ class Trainer:
         self.checkpoints = Checkpointer(p.engine, run_dir)
         self.start, held_fire = self.checkpoints.load(tc.anchor.enabled) if resume else (0, None)
         self.log = StepLog(run, run_dir, self.start, resume) if dist.get_rank() == 0 else NoStepLog()
+        if dist.get_rank() == 0:
+            provenance.record(run_dir, start or provenance.start_of(model_dir), self.start, dist.get_world_size())
         self.coefs = LossCoefs.from_config(tc.grpo)   # β moves with the drift controller
         if tc.control.enabled:
             self.coefs = dataclasses.replace(self.coefs, kl_coef=self.shared_kl_coef())

@@ -54,13 +54,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ds_twocircuit.pipeline.engine import init_distributed
     from ds_twocircuit.model.weights import base_model_dir
+    from ds_twocircuit.run import provenance
     from ds_twocircuit.trainer import Trainer, TrainingStopped
 
     model_dir = base_model_dir(run.tc)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    start = load_or_exit(provenance.start_of, model_dir, report=rank0) if rank0 else None   # a corrupt start stops here
     timeout_s = run.tc.train.collective_timeout
     init_distributed(timeout_s)
     try:
-        Trainer(run, run_dir, model_dir, resume=args.resume).run()
+        Trainer(run, run_dir, model_dir, resume=args.resume, start=start).run()
     except TrainingStopped as e:   # every rank stops at the same step; one line says why
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{e.label}: {e}", file=sys.stderr, flush=True)

@@ -34,7 +34,7 @@ def test_pipeline_logits_match_hf(request, tmp_path, n_stages, model):
     assert res["stages"] == n_stages and res["max_abs_diff"] < 1e-5, res
 
 
-def test_eight_stages_take_grpo_steps_and_export(eight):
+def test_eight_stages_take_grpo_steps_and_export(eight, tiny_model):
     """Four GRPO steps through 8 stages: the clip is active, the first step is on the reference
     (KL 0, π_old = the sampler's θ), some advantage is non-zero, evaluations at 0, 2 and 4, and the
     export reloads with `from_pretrained` to the run's final weights. Not a learning test: this
@@ -48,6 +48,10 @@ def test_eight_stages_take_grpo_steps_and_export(eight):
     assert abs(r[0]["rollout_corr/kl"]) < 1e-5
     assert any(x["actor/pg_loss"] != 0 for x in r), "advantages all zero: the test batch carries no signal"
     assert [e["step"] for e in rows(eight, "eval.jsonl")] == [0, 2, 4]
+    from ds_twocircuit.run import provenance      # what the run was made from, for tables across runs
+    (launch_entry,) = provenance.read(eight)
+    assert launch_entry["step"] == 0 and launch_entry["machine"]["world_size"] == 8
+    assert launch_entry["start"]["weights_sha256"] == provenance.weights_digest(tiny_model)[0]
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(eight / "model")
     w = weights(eight)

@@ -1,2 +1,2 @@
-"""A run's files on disk: crash-safe checkpoints (checkpoint.py), atomic writes (files.py), and the
-fault points the crash tests kill processes at (faults.py)."""
+"""A run's files on disk: crash-safe checkpoints (checkpoint.py), atomic writes (files.py), what the
+run was made from (provenance.py), and the test hooks that kill or stall processes (faults.py)."""
