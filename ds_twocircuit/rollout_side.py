@@ -11,15 +11,16 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
-from .pipeline.calibration import calibration_batch
 from .pipeline import comm
+from .pipeline.calibration import calibration_batch
 from .run.faults import slow_point
 from .data import build_task, step_rows
 from .grpo.advantages import group_advantages
 from .grpo.rollouts import Rollout
 from .sampler import build_sampler
-from .sampler.hf import greedy_accuracy
+from .sampler.hf import greedy_scores
 from .sampler.reference import ReferenceLogProbs, pack, unpack
 from .sync.weight_sync import WeightSync, dump_for_tests
 
@@ -48,12 +49,23 @@ class RolloutSide:
         ts = calibration_batch(self.tokenizer, self.task, micro).tensors() if self.task is not None else None
         return Rollout.from_tensors(comm.broadcast_tensors(ts, len(Rollout.__dataclass_fields__), host=True))
 
-    def rollout(self, t: int) -> tuple[Rollout, int]:
-        """Step t's batch: rank 0 samples and scores; every rank receives it (on the device path, read
-        on the host) → (it, the bytes of one copy)."""
-        ts = self._sample(t).tensors() if self.task is not None else None
-        ts = comm.broadcast_tensors(ts, len(Rollout.__dataclass_fields__), host=True)
-        return Rollout.from_tensors(ts), comm.nbytes(ts)
+    def rollout(self, t: int, ends: tuple[int, ...], ends_group) -> tuple[Rollout, int]:
+        """Step t's batch: rank 0 samples and scores, and sends each rank what it reads (device path,
+        read on the host): every rank the masks, rewards, advantages and sample ids (shapes, the
+        micro-batches, which sequences enter); the ranks in `ends` (the first and last stages) also
+        the token ids, attention and the sampler's log-probs. The other ranks hold zero-stride
+        placeholders of their shapes, which DeepSpeed never loads on a middle stage. → (the batch,
+        the bytes the ranks received)."""
+        r = self._sample(t) if self.task is not None else None
+        every, tokens = (split_rollout(r) if r is not None else (None, None))
+        meta = comm.broadcast_object((comm.shapes_of(every), comm.shapes_of(tokens)) if r is not None else None)
+        every = comm.broadcast_tensors(every, len(every or meta[0]), host=True, meta=meta[0])
+        if dist.get_rank() in ends:
+            tokens = comm.broadcast_tensors(tokens, len(meta[1]), host=True, group=ends_group, meta=meta[1])
+        else:
+            tokens = [torch.zeros((), dtype=dtype).expand(shape) for shape, dtype in meta[1]]
+        sent = comm.nbytes(every) * (dist.get_world_size() - 1) + comm.nbytes(tokens) * (len(ends) - 1)
+        return join_rollout(every, tokens), sent
 
     def _sample(self, t: int) -> Rollout:
         slow_point("sample", t)
@@ -95,14 +107,18 @@ class RolloutSide:
         return (dict(weight_sync.mirror) if ships else None), row
 
     def evaluate(self) -> dict | None:
-        """Held-out greedy accuracy with the sampler's dense weights: {"acc", "n"}; None without a sampler."""
+        """Held-out greedy accuracy with the sampler's dense weights: {"acc", "n", "scores"}, scores
+        each prompt's 0/1 reward in order as a string of digits (what an interval over prompts
+        resamples: notebooks/shares.py); None without a sampler."""
         if self.sampler is None:
             return None
         held = self.task.held_out
         with all_threads():
-            acc = greedy_accuracy(self.sampler, [self.task.prompt(p) for p in held["problem"]], held["answer"],
-                                  self.task.reward, self.tc.grpo.max_new_tokens)
-        return {"acc": acc, "n": len(held)}
+            scores = greedy_scores(self.sampler, [self.task.prompt(p) for p in held["problem"]], held["answer"],
+                                   self.task.reward, self.tc.grpo.max_new_tokens)
+        binary = all(s in (0.0, 1.0) for s in scores)
+        return {"acc": sum(scores) / max(1, len(held)), "n": len(held),
+                "scores": "".join(str(int(s)) for s in scores) if binary else scores}
 
     def close(self, mirror: dict) -> None:
         if self.sampler is None:
@@ -122,3 +138,18 @@ class all_threads:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.n)
+
+
+TOKENS = ("ids_NT", "attn_NT", "sampler_logp_NT1")   # read by the first stage (ids, attention) and the last (targets, the sampler's log-probs)
+
+
+def split_rollout(r: Rollout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """→ (what every rank reads, what only the ends read), in field order."""
+    every = [getattr(r, f) for f in Rollout.__dataclass_fields__ if f not in TOKENS]
+    return every, [getattr(r, f) for f in TOKENS]
+
+
+def join_rollout(every: list[torch.Tensor], tokens: list[torch.Tensor]) -> Rollout:
+    parts = dict(zip(TOKENS, tokens))
+    rest = iter(every)
+    return Rollout(**{f: parts[f] if f in parts else next(rest) for f in Rollout.__dataclass_fields__})

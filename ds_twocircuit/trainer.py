@@ -141,7 +141,7 @@ class Trainer:
         steps were skipped, the same on every rank)."""
         g, p = self.tc.grpo, self.actor.p
         t0 = time.perf_counter()
-        rollout, rollout_bytes = self.rollouts.rollout(t)
+        rollout, rollout_bytes = self.rollouts.rollout(t, p.ends, p.ends_group)
         ref_NT1 = self.rollouts.reference_logprobs(rollout, needed=self.coefs.kl_coef > 0 or self.probe_step(t))
         t1 = time.perf_counter()
         anchor_row = {}

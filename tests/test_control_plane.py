@@ -48,10 +48,18 @@ def test_every_project_collective_goes_through_the_control_plane_on_a_backend_th
     assert len(rows(anchored)) == 12
 
 
-def test_the_step_counts_the_rollout_it_broadcasts(anchored):
-    """rollout/bytes: one copy of the batch rank 0 broadcasts, 64 rows of (ids and attention int64,
-    response mask and sampler log-probs float32 over T − 1 targets, reward and advantage float32,
-    sample id int64): 24·T + 8 bytes a row."""
+def test_the_batch_goes_only_where_it_is_read_and_is_counted(anchored):
+    """rollout/bytes: what the ranks received of the step's batch. Every rank gets the response mask
+    (float32, T − 1 targets), rewards, advantages (float32) and sample ids (int64): 4·T + 12 bytes a
+    row, 7 receivers; only the last stage (rank 0 is the first) also gets the ids and attention
+    (int64) and the sampler's log-probs (float32): 20·T − 4 bytes a row. So 48·T + 80 bytes a row of
+    64, against 7·(24·T + 8) had every rank received the whole batch (0.32 of it at this T = 12,
+    0.29 for long sequences). The evaluations carry each held-out prompt's score."""
     for r in rows(anchored):
         per_row = r["rollout/bytes"] / 64
-        assert per_row > 0 and (per_row - 8) % 24 == 0, r["rollout/bytes"]
+        T = (per_row - 80) / 48
+        assert T == int(T) and T > 2, r["rollout/bytes"]
+        assert r["rollout/bytes"] == 64 * (48 * T + 80) < 0.33 * 64 * 7 * (24 * T + 8)
+    for e in rows(anchored, "eval.jsonl"):
+        assert len(e["scores"]) == e["n"] and set(e["scores"]) <= {"0", "1"}
+        assert e["acc"] == e["scores"].count("1") / e["n"]

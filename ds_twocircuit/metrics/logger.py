@@ -24,9 +24,9 @@ class RunLogger:
     def log(self, row: dict, file: str = "metrics.jsonl") -> None:
         with open(self.run_dir / file, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
+        if self.wandb is not None:   # numbers only: the per-prompt scores stay in the file
             self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
-                            for k, v in row.items()}, step=row["step"])
+                            for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
         if self.monitor is not None:
             prefix = "eval/" if file == "eval.jsonl" else ""
             self.monitor.write_events([(prefix + k, float(v), row["step"]) for k, v in row.items()

@@ -90,19 +90,32 @@ def barrier() -> None:
 
 
 # ---- device path: the accelerator's tensors, the default group or DeepSpeed's ------------------
-def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host: bool = False) -> list[torch.Tensor]:
-    """n tensors (any shapes and dtypes) from src to every rank; other ranks pass None. Shapes go on
-    the control path, the tensors on the device path; → them on `device()` (the CPU with `host`)."""
-    meta = broadcast_object([(tuple(t.shape), t.dtype) for t in ts] if dist.get_rank() == src else None, src)
+def shapes_of(ts: list[torch.Tensor]) -> list[tuple[tuple, torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in ts]
+
+
+def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host: bool = False, group=None,
+                      meta: list | None = None) -> list[torch.Tensor]:
+    """n tensors (any shapes and dtypes) from src to every rank of `group` (None: all); other ranks
+    pass None. Shapes go on the control path to every rank of the world (or come as `meta`,
+    shapes_of's list, when the caller sent them already), the tensors on the device path; → them on
+    `device()` (the CPU with `host`)."""
+    if meta is None:
+        meta = broadcast_object(shapes_of(ts) if dist.get_rank() == src else None, src)
     dev = device()
     if dist.get_rank() == src:
         ts = [t.to(dev) for t in ts]
     else:
         ts = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in meta]
     for t in ts:
-        dist.broadcast(t, src=src)
+        dist.broadcast(t, src=src, group=group)
     assert len(ts) == n
     return [t.cpu() for t in ts] if host else ts
+
+
+def subgroup(ranks: list[int]):
+    """A device-path group of `ranks` (collective: every rank of the world calls it, in the same order)."""
+    return dist.new_group(ranks)
 
 
 def broadcast_(t: torch.Tensor, src: int = 0, host: bool = False) -> torch.Tensor:

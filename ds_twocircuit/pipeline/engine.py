@@ -55,6 +55,8 @@ class Pipeline:
     per_param_grads: bool       # see per_parameter_grads
     clip: TrueNormClip
     share_group: int = 0        # grpo.share_prompts: G, each cut sends a group's prompt once; 0: off
+    ends: tuple = ()            # global ranks of the first and last stages (and rank 0): what reads a batch's tokens
+    ends_group: Any = None      # their device-path group (comm.subgroup)
     shape_key: tuple | None = None   # (padded length, prompt columns shared, codec on): DeepSpeed's receive buffers' sizes
 
     @property
@@ -113,7 +115,11 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
         print(f"activation checkpointing ({kind}): every {pipe.activation_checkpoint_interval} decoder layer(s); "
               f"stage 0 recomputes {sum(pipe.is_checkpointable_results)} of {len(pipe.is_checkpointable_results)} "
               "layer runs", flush=True)
+    grid = engine.grid
+    ends = tuple(sorted({0} | {grid.stage_to_global(stage_id=s, data=d) for s in (0, grid.pipe_parallel_size - 1)
+                               for d in range(grid.data_parallel_size)}))
     return Pipeline(engine=engine, pipe=pipe, codec=codec, loss=loss, micro=ds["train_micro_batch_size_per_gpu"],
                     temperature=tc.grpo.temperature, per_param_grads=per_param,
                     clip=TrueNormClip(engine, pipe, max_norm, per_param),
-                    share_group=tc.grpo.group_size if tc.grpo.share_prompts else 0)
+                    share_group=tc.grpo.group_size if tc.grpo.share_prompts else 0,
+                    ends=ends, ends_group=comm.subgroup(list(ends)))
