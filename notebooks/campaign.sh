@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The long-run campaign: dense, frontier_wide.json and prf95.json with the anchor every step (c = K = 1),
 # from one fixed starting model, the same batch and savings for all, one run at a time (2 cores).
-#   notebooks/campaign.sh START_DIR STEPS NAME [NAME ...]      (NAME: dense_s0, frontier_s1, prf95_s0, ...)
-# Runs go under runs/campaign/NAME; a finished one (its eval.jsonl has step STEPS) is not run again.
-# Each finished run's small files (config, provenance, evaluations with per-prompt scores, the
-# metrics rows gzipped) are copied to notebooks/campaign/NAME, to be committed as it lands: a machine
-# may not keep runs/. The seed s sets the data order, the sampling and the codec's key.
+#   notebooks/campaign.sh COMMIT START_DIR STEPS NAME [NAME ...]   (NAME: dense_s0, frontier_s1, prf95_s0, ...)
+# Every run of a campaign runs the code of COMMIT, from a git worktree of it (so the checkout can move
+# on meanwhile, and each run's provenance.json records COMMIT, clean). Runs go under runs/campaign/NAME;
+# a finished one (its eval.jsonl has step STEPS) is not run again, an interrupted one resumes from its
+# last checkpoint. Each finished run's small files (config, provenance, evaluations with per-prompt
+# scores, the metrics rows gzipped) are copied to notebooks/campaign/NAME, to be committed as it
+# lands: a machine may not keep runs/. The seed s sets the data order, the sampling and the codec's key.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-start=$1 steps=$2
-shift 2
+root=$PWD commit=$(git rev-parse "$1") start=$(realpath "$2") steps=$3
+shift 3
+tree=$root/runs/campaign/.code-${commit:0:8}
+[ -d "$tree" ] || git worktree add --detach "$tree" "$commit" > /dev/null || exit 1
 common=(model.path="$start" grpo.prompts_per_step=16 grpo.group_size=8 grpo.kl_coef=0 grpo.skip_zero_advantage=true
         data.eval_size=2048 train.steps="$steps" train.eval_every=25 train.save_every=50 train.probe_every=10 log.wandb=false)
 declare -A RECIPES=(
@@ -20,16 +24,17 @@ declare -A RECIPES=(
 for name in "$@"; do
   recipe=${name%_s*} seed=${name##*_s}
   cfg=${RECIPES[$recipe]:?unknown recipe in $name}
-  dir=runs/campaign/$name
+  dir=$root/runs/campaign/$name
   if grep -q "\"step\": $steps," "$dir/eval.jsonl" 2>/dev/null; then echo "[campaign] $name: done"; continue; fi
   codec_seed=(codec.seed="$seed")
   [ "$recipe" = dense ] && codec_seed=()    # the dense codec reads no key
   resume=()
   [ -f "$dir/checkpoints/latest" ] && resume=(--resume)
-  echo "[campaign] $name: $cfg seed $seed from $start, $steps steps ($(date -u +%H:%M))"
-  deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py --ds-config "$cfg" --run-dir "$dir" \
-    "${resume[@]}" "${common[@]}" train.seed="$seed" "${codec_seed[@]}" > "$dir.log" 2>&1 || { echo "[campaign] $name failed: $dir.log"; exit 1; }
-  keep=notebooks/campaign/$name
+  echo "[campaign] $name: $cfg seed $seed from $start, $steps steps, code ${commit:0:8} ($(date -u +%H:%M))"
+  (cd "$tree" && PYTHONPATH="$tree" deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py \
+     --ds-config "$cfg" --run-dir "$dir" "${resume[@]}" "${common[@]}" train.seed="$seed" "${codec_seed[@]}") \
+     > "$dir.log" 2>&1 || { echo "[campaign] $name failed: $dir.log"; exit 1; }
+  keep=$root/notebooks/campaign/$name
   mkdir -p "$keep"
   cp "$dir/config.yaml" "$dir/provenance.json" "$dir/eval.jsonl" "$keep/"
   gzip -c "$dir/metrics.jsonl" > "$keep/metrics.jsonl.gz"
