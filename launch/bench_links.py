@@ -46,7 +46,7 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_twocircuit.pipeline import passes
+    from ds_twocircuit.pipeline import comm, passes
     from ds_twocircuit.config import TwoCircuitConfig
     from ds_twocircuit.pipeline.engine import build_pipeline, init_distributed
     from ds_twocircuit.grpo.loss import LossCoefs
@@ -73,23 +73,23 @@ def worker(a) -> None:
         if rank == 0:
             (ctl / f"want_{i}").touch()
             wait_for(ctl / f"go_{i}", a.phase_timeout)
-        dist.barrier()
+        comm.barrier()
         times, wire_rows = [], []
         for s in range(a.warmup + a.steps):
             codec_off = p.codec.off() if ph["codec"] == "dense" else contextlib.nullcontext()
             with codec_off, p.codec.keyed(s), wire.counting() as w, p.codec.counting() as n:
-                dist.barrier()
+                comm.barrier()
                 t0 = time.perf_counter()
                 passes.logprobs(p, batch, base)           # the reference pass, as in every GRPO step
                 passes.update(p, batch, batch.num_response_tokens, z, z, LossCoefs(), old_is_current=True)
                 flush()
-                dist.barrier()
+                comm.barrier()
             if s >= a.warmup:
                 times.append(time.perf_counter() - t0)
                 wire_rows.append([w.fwd, w.bwd, n.payload, n.dense])
         v = torch.zeros(a.stages, 4, dtype=torch.float64)
         v[p.stage] = torch.tensor(wire_rows, dtype=torch.float64).mean(0)
-        dist.all_reduce(v)
+        comm.sum_over_world(v)
         if rank == 0:
             tmp = ctl / f".result_{i}.json.tmp"   # renamed into place: the controller polls for the name
             tmp.write_text(json.dumps({"phase": ph, "step_s": times, "per_stage": v.tolist()}))

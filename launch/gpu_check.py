@@ -6,7 +6,9 @@ over NCCL against HF, vLLM's CUDA engine taking weights in place, a bf16 launch,
 product: bf16 + ZeRO-1, PRF, the anchor process, vLLM, every collective recorded, a kill and a
 resume) and prints, per check, PASS / FAIL / SKIP, its seconds and, for a failure, its first
 line. Expected: about 5 minutes on one H100 (8 at most); exit status 1 if any check failed.
+`GPU_CHECK_LOG=FILE` keeps pytest's whole output there.
 """
+import os
 import pathlib
 import subprocess
 import sys
@@ -19,9 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "gpu.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                        f"--junitxml={report}", "tests/test_gpu.py", *argv], cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = open(os.environ["GPU_CHECK_LOG"], "w") if os.environ.get("GPU_CHECK_LOG") else subprocess.DEVNULL
+        subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+                        f"--junitxml={report}", "tests/test_gpu.py", *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         if not report.is_file():
             print("FAIL  pytest did not run (see `python -m pytest -m gpu tests/test_gpu.py`)")
             return 1

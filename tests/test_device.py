@@ -109,3 +109,22 @@ def test_the_sign_correction_runs_on_the_device():
     assert views[0][1].device == STANDIN
     assert torch.equal(data(views[0][1]), torch.tensor([1.0, 1.0, -1.5, 5.0, -1.0, 2.0]))
     assert (int(count.agree), int(count.numel)) == (2, 4)
+
+
+def test_the_last_stage_returns_log_probs_beside_the_rollout_on_the_host():
+    """A pass's log-probs (the last stage's, on the device) meet the rollout's host tensors in the
+    actor (the mismatch metrics against the sampler's log-probs, the probe's KL to the reference):
+    passes hand them over on the host."""
+    from ds_twocircuit.grpo.loss import k3_kl
+    from ds_twocircuit.metrics.health import mismatch_sums
+    from ds_twocircuit.pipeline.passes import _LogProbs, host_logprobs
+    g = torch.Generator().manual_seed(2)
+    logits, targets = on(torch.randn(2, 6, 11, generator=g)), on(torch.randint(0, 11, (2, 5), generator=g))
+    sampler_logp, w = -torch.rand(2, 5, generator=g), torch.full((2, 5), 0.1)     # the rollout's, on the host
+    rec = _LogProbs(1.0)
+    with placed():
+        rec(logits, (targets,))
+        logp = host_logprobs(rec.logps)
+        sums = mismatch_sums(sampler_logp, logp, w)
+        kl = k3_kl(logp, sampler_logp, w > 0)
+    assert logp.device.type == "cpu" and torch.isfinite(kl).all() and all(torch.isfinite(v) for v in sums.values())

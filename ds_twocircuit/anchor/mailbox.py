@@ -57,7 +57,7 @@ from safetensors.torch import load, save
 from ..sync.delta import decode_all
 from ..run.files import write_atomic
 
-FORMAT, VERSION = "ds_twocircuit.mailbox", "2"
+FORMAT, VERSION = "ds_twocircuit.mailbox", "3"   # 3: a sign file may hold the runs of M = 0
 KEYFRAME_CHAIN = 4     # a θ keyframe again once the deltas since the last one hold this many keyframes' bytes
 
 
@@ -390,7 +390,8 @@ def read_sign(path: pathlib.Path, stage: int, shapes: dict[str, tuple],
     if bits.numel() != (numel + 7) // 8:
         raise MailboxError(f"{path}: truncated payload ({bits.numel()} of {(numel + 7) // 8} bytes)")
     runs = tensors.get("zero_runs", torch.zeros(0, 2, dtype=torch.int64))
-    if runs.dim() != 2 or runs.shape[1] != 2 or (len(runs) and (runs.min() < 0 or (runs.sum(1) > numel).any())):
+    if (runs.dtype != torch.int64 or runs.dim() != 2 or runs.shape[1] != 2
+            or (len(runs) and (runs.min() < 0 or (runs.sum(1) > numel).any()))):
         raise MailboxError(f"{path}: zero runs outside the stage's {numel} parameters")
     if st != stage or meta.get("layout") != layout_digest(shapes).hex():
         raise MailboxError(f"{path}: written for stage {st} with another parameter layout; this is stage {stage}")

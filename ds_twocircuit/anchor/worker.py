@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ..pipeline import passes
+from ..pipeline import comm, passes
 from ..pipeline.calibration import recording_cuts
 from ..codec.geometry import compressed_cuts, keep_count
 from ..codec.lowrank import refresh_basis, top_basis
@@ -76,8 +76,9 @@ class AnchorWorker:
             log(f"state rejected: {why}")
         if fire < 0:
             return
-        self.M = {n: t for n, t in saved.items() if not n.startswith("basis.")}
-        self.bases = {int(n.split("cut")[1]): t for n, t in saved.items() if n.startswith("basis.")}
+        dev = comm.device()     # the file's tensors are read on the host; the gradients they meet are not
+        self.M = {n: t.to(dev) for n, t in saved.items() if not n.startswith("basis.")}
+        self.bases = {int(n.split("cut")[1]): t.to(dev) for n, t in saved.items() if n.startswith("basis.")}
         self.done = fire
         log(f"resumed M from {mb.state_path(self.root, fire)} (fire {fire}, {len(self.M)} tensors)")
         if not mb.sign_dir(self.root, fire).is_dir():   # killed between its state and its sign

@@ -36,12 +36,14 @@ import torch
 import torch.distributed as dist
 
 _CONTROL = None     # the gloo group of the control path (every rank), made by init
+_TIMEOUT = None     # train.collective_timeout, for the groups made later (subgroup)
 
 
 def init(timeout_s: float) -> None:
     """The control path's gloo group (collective: every rank, after the default group)."""
-    global _CONTROL
-    _CONTROL = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    global _CONTROL, _TIMEOUT
+    _TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    _CONTROL = dist.new_group(backend="gloo", timeout=_TIMEOUT)
     if os.environ.get("DS_TWOCIRCUIT_RECORD_COLLECTIVES"):
         _record_calls(pathlib.Path(os.environ["DS_TWOCIRCUIT_RECORD_COLLECTIVES"]))
 
@@ -75,6 +77,12 @@ def broadcast_object(obj, src: int = 0):
 def max_over_world(t: torch.Tensor) -> torch.Tensor:
     """Element-wise max of a CPU tensor over every rank, in place; → it."""
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+    return t
+
+
+def sum_over_world(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum of a CPU tensor over every rank, in place; → it."""
+    dist.all_reduce(t, group=control_group())
     return t
 
 
@@ -115,7 +123,7 @@ def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host:
 
 def subgroup(ranks: list[int]):
     """A device-path group of `ranks` (collective: every rank of the world calls it, in the same order)."""
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=_TIMEOUT)
 
 
 def broadcast_(t: torch.Tensor, src: int = 0, host: bool = False) -> torch.Tensor:

@@ -6,10 +6,12 @@ directory, our config and DeepSpeed's. The trainer builds one over all its stage
 process a one-stage one with the codec off.
 """
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
+import torch
 
 from . import comm
 from .clip import TrueNormClip
@@ -33,6 +35,8 @@ def init_distributed(timeout_s: float) -> None:
     if get_accelerator().device_name() == "cpu":
         getattr(deepspeed.ops, "__compatible_ops__", {})["deepspeed_shm_comm"] = False
     backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    if get_accelerator().device_name() != "cpu":   # this rank's device before any group: comm.device() reads it
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     comm.init(timeout_s)
 
@@ -108,8 +112,9 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
                                                                          if p.requires_grad], config=ds)
     if pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
         weights, accum = engine.get_data_types()
+        hint = " (zero_optimization.stage=1 accumulates them in float32)" if accum == torch.bfloat16 else ""
         print(f"[deepspeed] {type(engine.optimizer).__name__}: weights in {str(weights).removeprefix('torch.')}, "
-              f"gradients accumulated in {str(accum).removeprefix('torch.')}", flush=True)
+              f"gradients accumulated in {str(accum).removeprefix('torch.')}{hint}", flush=True)
     if pipe.activation_checkpoint_interval and pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
         kind = "non-reentrant" if ds["pipeline"].get("use_reentrant") is False else "reentrant"
         print(f"activation checkpointing ({kind}): every {pipe.activation_checkpoint_interval} decoder layer(s); "

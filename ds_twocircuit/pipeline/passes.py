@@ -102,6 +102,12 @@ def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1, share: i
                (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
 
 
+def host_logprobs(logps: list[torch.Tensor]) -> torch.Tensor:
+    """The last stage's log-probs of a pass, (N, T−1), on the host beside the rollout they score (its
+    masks, the sampler's log-probs; DeepSpeed moves them back to the device as labels)."""
+    return torch.cat(logps).cpu()
+
+
 def fit_shapes(p, batch: Rollout) -> None:
     """Reset DeepSpeed's receive buffers on every rank when this pass's shapes differ from the last's."""
     key = (batch.ids_NT.shape[1], shared_prompts.prompt_columns(batch.resp_NT1) if p.share_group else 0, p.codec.on)
@@ -118,7 +124,7 @@ def logprobs(p, batch: Rollout, weights: list[torch.Tensor] | None = None) -> to
     data = iter(micro_batches(batch, p.micro, z, z, z, p.share_group))
     with p.loss.running(_LogProbs(p.temperature)) as fn, swapped_weights(p.pipe, weights):
         p.engine.eval_batch(data, num_micro_batches=batch.ids_NT.shape[0] // p.micro, bcast_loss=False)
-    return torch.cat(fn.logps) if p.last_stage else z
+    return host_logprobs(fn.logps) if p.last_stage else z
 
 
 def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, old_is_current: bool) -> Update:
@@ -129,7 +135,7 @@ def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, o
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
     with p.loss.running(loss), micro_batch_count(p.engine, batch.ids_NT.shape[0] // p.micro):
         p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1, p.share_group)))
-    old = torch.cat(loss.logps) if old_is_current and p.last_stage else None
+    old = host_logprobs(loss.logps) if old_is_current and p.last_stage else None
     return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
 
 
