@@ -104,7 +104,8 @@ def rank_processes(launcher_pid: int) -> dict:
 def launch_cmd(nprocs: int, run_dir, *overrides, config=TINY, resume=False, env=None, real=False):
     cmd = ds_cmd(nprocs, ROOT / "launch" / "train.py", "--ds-config", config, "--run-dir", run_dir,
                  *(["--resume"] if resume else []), *overrides, real=real)
-    return cmd, {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)   # ours first, the rest kept
+    return cmd, {**os.environ, "PYTHONPATH": path, **(env or {})}
 
 
 def launch(nprocs: int, run_dir, *overrides, config=TINY, resume=False, timeout=300, check=True, env=None,
