@@ -4,8 +4,9 @@ Run on a machine with 1–8 NVIDIA GPUs after installing the CUDA build of torch
 extra (`pip install torch -e '.[test,vllm]'`). It runs tests/test_gpu.py (the pipeline's logits
 over NCCL against HF, vLLM's CUDA engine taking weights in place, a bf16 launch, and the whole
 product: bf16 + ZeRO-1, PRF, the anchor process, vLLM, every collective recorded, a kill and a
-resume) and prints, per check, PASS / FAIL / SKIP, its seconds and, for a failure, its first
-line. Expected: about 5 minutes on one H100 (8 at most); exit status 1 if any check failed.
+resume, every codec on CUDA) and prints, per check, PASS / FAIL / SKIP, its seconds and, for a
+failure, its first line. 180 s on one H100 (2026-12-06; 8 minutes at most); exit status 1 if any
+check failed.
 `GPU_CHECK_LOG=FILE` keeps pytest's whole output there.
 """
 import os

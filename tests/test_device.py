@@ -2,6 +2,8 @@
 and the sign correction run on a device that is not the CPU, with nothing allocated on the CPU in
 between (standin_device.py: CPU data under CUDA's placement rules, so data-dependent code runs).
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def codecs(d: int):
             "rotated_rank": Codec("rotated", d=d, cuts={0}, fwd=Budget(d, 16, 3, 8), bwd=Budget(d, 16, 4), bwd_rank=2)}
 
 
-def stage_chain(model_dir, codec):
+def stage_chain(model_dir, codec, where):
     """Embedding, the cut's two decoder layers (encode after layer 0, decode before layer 1), the
     final norm and the head, as the pipeline's stages hold them."""
     from ds_twocircuit.model.pipe import Decoder, Embed, FinalNorm, LMHead, load_hf_config
@@ -31,7 +33,7 @@ def stage_chain(model_dir, codec):
     mods = [Embed(config, reader), Decoder(config, 0, reader, codec, False, True),
             Decoder(config, 1, reader, codec, True, False), FinalNorm(config, reader)]
     head = None if config.tie_word_embeddings else LMHead(config, reader)
-    return [to_standin(m) for m in mods], to_standin(head) if head is not None else None
+    return [where.module(m) for m in mods], where.module(head) if head is not None else None
 
 
 def batch(vocab: int, share: bool):
@@ -49,9 +51,25 @@ def batch(vocab: int, share: bool):
     return ids, attn, resp
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
-@pytest.mark.parametrize("name", ["dense", "prf", "lowrank", "rotated", "rotated_gauss", "rotated_rank"])
-def test_stages_codecs_and_loss_run_forward_and_backward_on_the_device(tiny_model, name, share):
+class Placement:
+    """Where the chain runs: the stand-in device here, a real CUDA device in tests/test_gpu.py."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device) if device != "standin" else STANDIN
+        self.standin = device == "standin"
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return on(t) if self.standin else t.to(self.device)
+
+    def module(self, m):
+        return to_standin(m) if self.standin else m.to(self.device)
+
+    def context(self):
+        return placed() if self.standin else contextlib.nullcontext()
+
+
+def run_chain(model_dir, name: str, share: bool, where: Placement) -> None:
+    """The chain of the module docstring forward and backward on `where`, with each codec on its cut."""
     from ds_twocircuit.grpo.loss import LossCoefs, token_logprobs
     from ds_twocircuit.pipeline.passes import _GRPOLoss
     from ds_twocircuit.model.pipe import tied_head
@@ -59,27 +77,37 @@ def test_stages_codecs_and_loss_run_forward_and_backward_on_the_device(tiny_mode
         pytest.skip("the rank code's width depends on the token count; the config refuses it with shared prompts")
     codec = codecs(32)[name]
     if name == "lowrank":
-        codec.bases = {0: on(codec.bases[0])}
-    mods, head = stage_chain(tiny_model, codec)
+        codec.bases = {0: where(codec.bases[0])}
+    mods, head = stage_chain(model_dir, codec, where)
     ids, attn, resp = batch(mods[0].embed_tokens.num_embeddings, share)
-    inputs = (on(ids), on(attn), on(torch.arange(B)), *([on(torch.tensor([5, G]))] if share else []))
-    with placed(), codec.keyed(3):
+    inputs = (where(ids), where(attn), where(torch.arange(B)), *([where(torch.tensor([5, G]))] if share else []))
+    with where.context(), codec.keyed(3):
         h = mods[0](inputs)
         for m in mods[1:3]:
             h = m(h)
         h = mods[3](h)
         logits = tied_head(mods[0], h) if head is None else head(h)
-        logp, _ = token_logprobs(logits[:, :-1].detach(), on(ids[:, 1:]), 0.7)
+        logp, _ = token_logprobs(logits[:, :-1].detach(), where(ids[:, 1:]), 0.7)
         old, ref = logp + 0.01, logp - 0.02
-        labels = (on(ids[:, 1:]), on(resp / resp.sum()), on(torch.tensor([1.0, -1.0, 0.5, -0.5])), old, ref)
+        labels = (where(ids[:, 1:]), where(resp / resp.sum()), where(torch.tensor([1.0, -1.0, 0.5, -0.5])), old, ref)
         loss_fn = _GRPOLoss(LossCoefs(kl_coef=0.05), 0.7, scale=2, old_is_current=False)
         loss = loss_fn(logits, labels)      # the last stage's loss_fn, as DeepSpeed calls it
         loss.backward()
     sums = loss_fn.sums
-    assert loss.device == STANDIN and len(sums) > 5 and all(v.device == STANDIN for v in sums.values())
+    same = lambda t: t.device.type == where.device.type
+    assert same(loss) and len(sums) > 5 and all(same(v) for v in sums.values())
     grads = [p.grad for m in mods for p in m.parameters()]
-    assert all(g is not None and g.device == STANDIN for g in grads)
+    assert all(g is not None and same(g) for g in grads)
     assert torch.isfinite(data(loss)) and all(torch.isfinite(data(g)).all() for g in grads)
+
+
+CODECS = ["dense", "prf", "lowrank", "rotated", "rotated_gauss", "rotated_rank"]
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
+@pytest.mark.parametrize("name", CODECS)
+def test_stages_codecs_and_loss_run_forward_and_backward_on_the_device(tiny_model, name, share):
+    run_chain(tiny_model, name, share, Placement("standin"))
 
 
 def test_the_standin_refuses_what_cuda_refuses():
