@@ -4,7 +4,8 @@ engine.py builds it (process group, PipelineModule, DeepSpeed's engine, the code
 passes.py runs its passes (log-probs, updates, the dense gradient without an optimizer step);
 step_order.py, clip.py, grads.py and guard.py are the optimizer step (its order, the true-norm clip,
 the gradient views and comparison, the non-finite guard); wire.py counts the bytes between stages;
-comm.py broadcasts a batch from rank 0; calibration.py reads what crosses the cuts (the lowrank
+comm.py carries every collective of ours outside DeepSpeed's schedule (host data on a gloo group,
+payloads on the device); calibration.py reads what crosses the cuts (the lowrank
 codec's first bases).
 
 Importing the package asserts the installed DeepSpeed is the release it was tested with
