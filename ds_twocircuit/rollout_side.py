@@ -54,7 +54,7 @@ class RolloutSide:
         read on the host): every rank the masks, rewards, advantages and sample ids (shapes, the
         micro-batches, which sequences enter); the ranks in `ends` (the first and last stages) also
         the token ids, attention and the sampler's log-probs. The other ranks hold zero-stride
-        placeholders of their shapes, which DeepSpeed never loads on a middle stage. → (the batch,
+        zero tensors of their shapes, which DeepSpeed never loads on a middle stage. → (the batch,
         the bytes the ranks received)."""
         r = self._sample(t) if self.task is not None else None
         every, tokens = (split_rollout(r) if r is not None else (None, None))

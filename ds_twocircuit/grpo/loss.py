@@ -8,7 +8,7 @@ Per response token t of sequence i, with ρ = exp(logπ_θ − logπ_old) and ad
     ℓ_t   = pg_t + β·kl_t
 
 The KL term exists only where it counts: not at all at β = 0, and on response tokens only (d is set
-to 0 elsewhere before the exponential: off the response the reference is a placeholder, and a
+to 0 elsewhere before the exponential: off the response the reference holds zeros, not log-probs, and a
 target's log-prob below about −88.7 would make e^d inf and 0·inf a NaN in the loss and its
 gradient). d is clamped to [−20, 20] as verl's `low_var_kl` clamps it, so e^d stays finite on the
 response too; where the clamp does not bind the numbers are the unclamped ones bit for bit. verl's
@@ -48,7 +48,7 @@ KL_LOG_RATIO_CLAMP = 20.0     # verl's low_var_kl bound on d: e^20 ≈ 4.9e8, fi
 def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T) k3 estimate per token of KL(π_θ‖π_ref) at tokens sampled from π: e^d − d − 1,
     d = logπ_ref − logπ_θ clamped to ±20; 0 where `mask_BT` is False (d is masked before the
-    exponential, so a placeholder reference never makes an inf)."""
+    exponential, so the reference's zeros off the response never make an inf)."""
     d = ref_logp_BT - logp_BT
     if mask_BT is not None:
         d = torch.where(mask_BT, d, torch.zeros_like(d))

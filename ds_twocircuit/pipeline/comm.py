@@ -115,7 +115,7 @@ def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host:
         ts = [t.to(dev) for t in ts]
     else:
         ts = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in meta]
-    for t in ts:
+    for t in ts:   # group None: the default group (NCCL on GPUs), device tensors
         dist.broadcast(t, src=src, group=group)
     assert len(ts) == n
     return [t.cpu() for t in ts] if host else ts
@@ -129,7 +129,7 @@ def subgroup(ranks: list[int]):
 def broadcast_(t: torch.Tensor, src: int = 0, host: bool = False) -> torch.Tensor:
     """One tensor whose shape and dtype every rank knows, from src (others pass a buffer of that shape)."""
     t = t.to(device())
-    dist.broadcast(t, src=src)
+    dist.broadcast(t, src=src)          # the default group: NCCL on GPUs
     return t.cpu() if host else t
 
 
@@ -139,13 +139,13 @@ def nbytes(ts: list[torch.Tensor]) -> int:
 
 def send_tensor(t: torch.Tensor, dst: int) -> None:
     """A tensor to rank dst, whose shape and dtype dst knows (recv_tensor)."""
-    dist.send(t.to(device()).contiguous(), dst=dst)
+    dist.send(t.to(device()).contiguous(), dst=dst)     # the default group: NCCL on GPUs
 
 
 def recv_tensor(shape, dtype: torch.dtype, src: int) -> torch.Tensor:
     """send_tensor's tensor from rank src, on `device()`."""
     t = torch.empty(shape, dtype=dtype, device=device())
-    dist.recv(t, src=src)
+    dist.recv(t, src=src)                               # the default group: NCCL on GPUs
     return t
 
 

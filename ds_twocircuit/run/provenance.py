@@ -20,17 +20,10 @@ import platform
 import subprocess
 
 from ..config.schema import ConfigError
+from .checkpoint import sha256
 from .files import write_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-
-
-def file_sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def listed_sums(model_dir: pathlib.Path) -> dict[str, str]:
@@ -56,7 +49,7 @@ def weights_digest(model_dir: str | os.PathLike) -> tuple[str, bool]:
     listed = listed_sums(d)
     digests = []
     for p in files:
-        got = file_sha256(p)
+        got = sha256(p)
         if p.name in listed and listed[p.name] != got:
             raise ConfigError(f"{p}: sha256 {got[:16]}… is not the {listed[p.name][:16]}… its SHA256SUMS lists "
                                   "(a corrupt or changed copy of the starting model)")
