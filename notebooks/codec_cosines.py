@@ -52,7 +52,8 @@ from ds_twocircuit.codec.geometry import cut_layers  # noqa: E402
 from ds_twocircuit.codec.rotated import Budget  # noqa: E402
 from ds_twocircuit.config import load_config  # noqa: E402
 from ds_twocircuit.grpo.advantages import group_advantages  # noqa: E402
-from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss, token_logprobs  # noqa: E402
+from ds_twocircuit.grpo.logprobs import head_logprobs  # noqa: E402
+from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss  # noqa: E402
 from ds_twocircuit.model.pipe import layer_specs, load_hf_config, tied_head  # noqa: E402
 from ds_twocircuit.model.weights import SafetensorsReader, base_model_dir  # noqa: E402
 from ds_twocircuit.sampler.hf import HFSampler  # noqa: E402
@@ -245,7 +246,7 @@ def policy_gradient(mods, codec: Codec, b, micro: int, keep_cut_grads: list[int]
                 if getattr(m, "layer_idx", None) in cut_grads:
                     x[0].retain_grad()
                     cut_acts[m.layer_idx] = x[0]
-        logp, _ = token_logprobs(x[:, :-1], ids[rows, 1:])
+        logp, _ = head_logprobs(x.h_BTD[:, :-1], x.weight_VD, ids[rows, 1:])
         loss, _ = grpo_token_loss(logp, logp.detach(), logp.detach(), adv[rows], resp[rows] / resp.sum(),
                                   LossCoefs(kl_coef=0.0))
         loss.backward()

@@ -55,8 +55,8 @@ def micro_batches(vocab: int, shared: bool = False):
     return out
 
 
-def linear_loss(logits, r):
-    return (logits * r).sum()
+def linear_loss(out, r):
+    return (out.logits() * r).sum()
 
 
 def reference_grads(model_dir: str, split: list[int], spec) -> dict[str, torch.Tensor]:

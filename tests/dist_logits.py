@@ -33,7 +33,7 @@ def batches():
 def main(model_dir, split, out):
     init_distributed(timeout_s=600)
     seen = []
-    record = lambda logits, labels: (seen.append(logits.detach().float().cpu()), logits.new_zeros(()))[1]
+    record = lambda out, labels: (seen.append(out.logits().detach().float().cpu()), out.h_BTD.new_zeros(()))[1]
     pipe = TwoCircuitPipe(model_dir, json.loads(split), record)
     engine, *_ = deepspeed.initialize(model=pipe, config={"train_micro_batch_size_per_gpu": 4,
                                                           "gradient_accumulation_steps": 1, "steps_per_print": 10**6})

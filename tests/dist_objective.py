@@ -64,7 +64,7 @@ def make_rollout(model_dir: str, n_groups: int = 16, G: int = 4, T: int = 14):
 def hf_logprobs(model_dir: str, r, temperature: float, weights: dict | None = None):
     """(HF model, log softmax(logits/τ) at each target of `r`, (N, T−1), with grad): the model of
     `model_dir`, with `weights` (HF name → tensor) loaded over it when given. Written out here, not
-    grpo.loss.token_logprobs, so that the reference shares no code with the pipeline's loss path."""
+    grpo.logprobs.head_logprobs, so that the reference shares no code with the pipeline's loss path."""
     from ds_twocircuit.model.pipe import positions_from_mask
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -70,7 +70,8 @@ class Placement:
 
 def run_chain(model_dir, name: str, share: bool, where: Placement) -> None:
     """The chain of the module docstring forward and backward on `where`, with each codec on its cut."""
-    from ds_twocircuit.grpo.loss import LossCoefs, token_logprobs
+    from ds_twocircuit.grpo.logprobs import head_logprobs
+    from ds_twocircuit.grpo.loss import LossCoefs
     from ds_twocircuit.pipeline.passes import _GRPOLoss
     from ds_twocircuit.model.pipe import tied_head
     if name == "rotated_rank" and share:
@@ -86,12 +87,12 @@ def run_chain(model_dir, name: str, share: bool, where: Placement) -> None:
         for m in mods[1:3]:
             h = m(h)
         h = mods[3](h)
-        logits = tied_head(mods[0], h) if head is None else head(h)
-        logp, _ = token_logprobs(logits[:, :-1].detach(), where(ids[:, 1:]), 0.7)
+        out = tied_head(mods[0], h) if head is None else head(h)
+        logp, _ = head_logprobs(out.h_BTD[:, :-1].detach(), out.weight_VD.detach(), where(ids[:, 1:]), 0.7)
         old, ref = logp + 0.01, logp - 0.02
         labels = (where(ids[:, 1:]), where(resp / resp.sum()), where(torch.tensor([1.0, -1.0, 0.5, -0.5])), old, ref)
         loss_fn = _GRPOLoss(LossCoefs(kl_coef=0.05), 0.7, scale=2, old_is_current=False)
-        loss = loss_fn(logits, labels)      # the last stage's loss_fn, as DeepSpeed calls it
+        loss = loss_fn(out, labels)         # the last stage's loss_fn, as DeepSpeed calls it
         loss.backward()
     sums = loss_fn.sums
     same = lambda t: t.device.type == where.device.type
@@ -145,13 +146,15 @@ def test_the_last_stage_returns_log_probs_beside_the_rollout_on_the_host():
     passes hand them over on the host."""
     from ds_twocircuit.grpo.loss import k3_kl
     from ds_twocircuit.metrics.health import mismatch_sums
+    from ds_twocircuit.model.pipe import HeadOut
     from ds_twocircuit.pipeline.passes import _LogProbs, host_logprobs
     g = torch.Generator().manual_seed(2)
-    logits, targets = on(torch.randn(2, 6, 11, generator=g)), on(torch.randint(0, 11, (2, 5), generator=g))
+    out = HeadOut(on(torch.randn(2, 6, 4, generator=g)), on(torch.randn(11, 4, generator=g)))
+    targets = on(torch.randint(0, 11, (2, 5), generator=g))
     sampler_logp, w = -torch.rand(2, 5, generator=g), torch.full((2, 5), 0.1)     # the rollout's, on the host
     rec = _LogProbs(1.0)
     with placed():
-        rec(logits, (targets,))
+        rec(out, (targets,))
         logp = host_logprobs(rec.logps)
         sums = mismatch_sums(sampler_logp, logp, w)
         kl = k3_kl(logp, sampler_logp, w > 0)

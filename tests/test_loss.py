@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from ds_twocircuit.grpo.advantages import group_advantages, zero_advantage_groups
-from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from ds_twocircuit.grpo.logprobs import token_logprobs
+from ds_twocircuit.grpo.loss import LossCoefs, grpo_token_loss
 from ds_twocircuit.grpo.rollouts import Rollout, nonzero_advantage_rows, nonzero_advantage_tokens
 from ds_twocircuit.sampler.reference import pack, unpack
 

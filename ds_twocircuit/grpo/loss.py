@@ -88,12 +88,3 @@ def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: 
             **({"actor/kl_loss": (w * kl).sum()} if kl is not None else {}),
         }
     return loss, sums
-
-
-def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0):
-    """log softmax(logits/τ) at the target ids → (logp_BT, entropy_BT). Logits in fp32."""
-    logp_BTV = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
-    logp_BT = logp_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-    return logp_BT, entropy_BT

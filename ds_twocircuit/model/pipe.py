@@ -2,7 +2,8 @@
 
 Layer items, in order: `Embed` (stage 0) · one `Decoder` per HF decoder layer · `FinalNorm` · the
 LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
-the last two on the last stage. `layers_per_stage` assigns decoder layers to stages.
+the last two on the last stage. The head returns `HeadOut(h, W)`, not the logits: the loss makes them
+a chunk of tokens at a time (grpo/logprobs.py), so (B, T, V) never exists whole. `layers_per_stage` assigns decoder layers to stages.
 
 What crosses a stage boundary is `(h float, rows_B3 int32)`: the hidden state (or what the codec
 sends for it, `Codec.wire_out`: one tensor, or the rotated codec's fp16 carrier and uint8 payload;
@@ -22,6 +23,7 @@ files, so a rank only ever holds its own stage. The model knows nothing of pipel
 wrappers only adapt HF's layer signature to DeepSpeed's one-tuple interface.
 """
 import importlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +87,18 @@ class Embed(torch.nn.Module):
         return {"model.embed_tokens.weight": self.embed_tokens.weight}
 
 
-def tied_head(embed: Embed, h_BTD: torch.Tensor) -> torch.Tensor:
-    return F.linear(h_BTD, embed.embed_tokens.weight)  # logits_BTV
+class HeadOut(NamedTuple):
+    """The last stage's output: the final hidden states and the head's weight, logits = h·Wᵀ."""
+    h_BTD: torch.Tensor
+    weight_VD: torch.Tensor
+
+    def logits(self) -> torch.Tensor:
+        """The whole (B, T, V) logits, for checks against HF; the passes never make them."""
+        return F.linear(self.h_BTD, self.weight_VD)
+
+
+def tied_head(embed: Embed, h_BTD: torch.Tensor) -> HeadOut:
+    return HeadOut(h_BTD, embed.embed_tokens.weight)
 
 
 class Decoder(torch.nn.Module):
@@ -153,8 +165,8 @@ class LMHead(torch.nn.Module):
             self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         load_module_from(self, reader, "")
 
-    def forward(self, h_BTD):
-        return self.lm_head(h_BTD)
+    def forward(self, h_BTD) -> HeadOut:
+        return HeadOut(h_BTD, self.lm_head.weight)
 
     def hf_parameters(self):
         return {"lm_head.weight": self.lm_head.weight}

@@ -4,7 +4,8 @@
     update(p, batch, ntok, old, ref, coefs) → one optimizer step on the GRPO loss (train_batch)
     dense_gradient(p, batch, ntok, ref, coefs) → ∇ of the same loss, forward + backward, no step
 
-DeepSpeed calls one `loss_fn(logits, labels)` per micro-batch on the last stage and nowhere else;
+DeepSpeed calls one `loss_fn(out, labels)` per micro-batch on the last stage and nowhere else, `out`
+the head's `HeadOut(h, W)` (log-probs made from it a chunk of tokens at a time, grpo/logprobs.py);
 `LastStage` is that loss_fn, and hands each call to the pass that is running, only while it runs.
 Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_BT1). `weight` is
 1/N_tokens of the PPO mini-batch on response tokens (target coordinates, grpo/rollouts.py), and the
@@ -22,20 +23,21 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import shared_prompts
-from ..grpo.loss import LossCoefs, grpo_token_loss, token_logprobs
+from ..grpo.logprobs import head_logprobs
+from ..grpo.loss import LossCoefs, grpo_token_loss
 from ..grpo.rollouts import Rollout
-from ..model.pipe import check_contiguous
+from ..model.pipe import HeadOut, check_contiguous
 
 
 class LastStage:
-    """DeepSpeed's `loss_fn`: the running pass's loss of one micro-batch's logits."""
+    """DeepSpeed's `loss_fn`: the running pass's loss of one micro-batch's head output."""
 
     def __init__(self):
         self.current = None
 
-    def __call__(self, logits_BTV, labels):
+    def __call__(self, out: HeadOut, labels):
         assert self.current is not None, "DeepSpeed called loss_fn outside a pass"
-        return self.current(logits_BTV, labels)
+        return self.current(out, labels)
 
     @contextlib.contextmanager
     def running(self, fn):
@@ -52,8 +54,8 @@ class _LogProbs:
     def __init__(self, temperature: float):
         self.temperature, self.logps = temperature, []
 
-    def __call__(self, logits_BTV, labels):
-        logp, _ = token_logprobs(logits_BTV[:, :-1], labels[0], self.temperature)
+    def __call__(self, out: HeadOut, labels):
+        logp, _ = head_logprobs(out.h_BTD[:, :-1], out.weight_VD, labels[0], self.temperature)
         self.logps.append(logp.detach())
         return logp.new_zeros(())
 
@@ -68,9 +70,9 @@ class _GRPOLoss:
         self.logps: list[torch.Tensor] = []
         self.sums: dict[str, torch.Tensor] = defaultdict(float)   # 0.0 + the first micro-batch's, on its device
 
-    def __call__(self, logits_BTV, labels):
+    def __call__(self, out: HeadOut, labels):
         targets, weight, adv, old, ref = labels
-        logp, entropy = token_logprobs(logits_BTV[:, :-1], targets, self.temperature)
+        logp, entropy = head_logprobs(out.h_BTD[:, :-1], out.weight_VD, targets, self.temperature)
         if self.old_is_current:
             old = logp.detach()
             self.logps.append(old)

@@ -64,8 +64,10 @@ class HFSampler:
         gen_NR = out.sequences[:, P:]
         is_eos = torch.isin(gen_NR, torch.tensor(self.eos_ids, dtype=torch.long)).long()
         resp_NR = (is_eos.cumsum(1) - is_eos) == 0            # through the first eos, inclusive
-        logits_NRV = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
-        logp_NR = torch.log_softmax(logits_NRV, -1).gather(-1, gen_NR.unsqueeze(-1)).squeeze(-1)
+        tau = 1.0 if greedy else temperature
+        logp_NR = torch.stack([   # one new token's logits at a time: never an fp32 (N, R, V) copy
+            torch.log_softmax(z_NV.float() / tau, -1).gather(-1, g_N[:, None])[:, 0]
+            for z_NV, g_N in zip(out.logits, gen_NR.T)], 1)
         pad = torch.zeros(gen_NR.shape[0], P - 1)
         texts = [self.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen_NR, resp_NR)]
         ids_NT = torch.where(torch.cat([torch.ones_like(enc["input_ids"], dtype=torch.bool), resp_NR], 1),

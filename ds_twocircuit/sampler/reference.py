@@ -7,14 +7,15 @@ HF model of the base weights over them (as verl's reference worker does) and onl
 floats travel to the last stage: 4 bytes per response token instead of a forward through 7 cuts.
 
 The numbers are the codec-off pipeline's: the same positions ((cumsum(attn) − 1) clamped at 0, the
-rule HF `generate` and the pipeline use) and the same `token_logprobs`. With a codec on, the KL
+rule HF `generate` and the pipeline use) and the same `head_logprobs`, from the final hidden states
+and the head's weight a chunk of tokens at a time (never the whole-vocabulary logits). With a codec on, the KL
 term then compares the codec's view of the policy with the dense reference, so it carries the
 codec's own gap, which a compressed reference pass cancels by seeing the same codes.
 """
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..grpo.loss import token_logprobs
+from ..grpo.logprobs import head_logprobs
 
 
 class ReferenceLogProbs:
@@ -24,6 +25,7 @@ class ReferenceLogProbs:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
         self.rows = rows_per_forward
+        self.head_VD = self.model.get_output_embeddings().weight
 
     @torch.no_grad()
     def __call__(self, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
@@ -33,8 +35,8 @@ class ReferenceLogProbs:
         for i in range(0, ids_NT.shape[0], self.rows):
             ids, attn = ids_NT[i:i + self.rows], attn_NT[i:i + self.rows]
             pos = (attn.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            out.append(token_logprobs(logits[:, :-1], ids[:, 1:], temperature)[0])
+            h = self.model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+            out.append(head_logprobs(h[:, :-1], self.head_VD, ids[:, 1:], temperature)[0])
         return torch.cat(out) * resp_NT1
 
 
