@@ -20,7 +20,7 @@ def avg_at_k(hits_PK: torch.Tensor) -> dict[str, float]:
             "pass@k": float(hits_PK.amax(1).float().mean())}
 
 
-def hits(sampler, prompts: list[str], answers: list[str], reward, n: int, *, greedy: bool, max_new_tokens: int,
+def hits(sampler, prompts: list[str], answers: list[str], score, n: int, *, greedy: bool, max_new_tokens: int,
          temperature: float = 1.0, seed: int = 0, batch: int = 256) -> torch.Tensor:
     """(P, n) rewards of n generations per prompt (adjacent in the sampler's output)."""
     out = []
@@ -28,5 +28,5 @@ def hits(sampler, prompts: list[str], answers: list[str], reward, n: int, *, gre
         gen = sampler.generate(prompts[i:i + batch], n, greedy=greedy, max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed + i)
         part = answers[i:i + batch]
-        out.append(torch.tensor([reward(t, part[j // n]) for j, t in enumerate(gen.texts)]).view(-1, n))
+        out.append(torch.tensor(score(gen.texts, [part[j // n] for j in range(len(gen.texts))])).view(-1, n))
     return torch.cat(out)

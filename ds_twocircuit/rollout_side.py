@@ -76,7 +76,7 @@ class RolloutSide:
                                         max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                         seed=self.tc.train.seed * 1_000_003 + t)
         answers = [a for a in rows["answer"] for _ in range(g.group_size)]
-        rewards = torch.tensor([self.task.reward(x, a) for x, a in zip(gen.texts, answers)])
+        rewards = torch.tensor(self.task.score(gen.texts, answers))
         return Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,
                        group_advantages(rewards, g.group_size, g.adv_eps), torch.arange(len(answers)))
 
@@ -115,7 +115,7 @@ class RolloutSide:
         held = self.task.held_out
         with all_threads():
             scores = greedy_scores(self.sampler, [self.task.prompt(p) for p in held["problem"]], held["answer"],
-                                   self.task.reward, self.tc.grpo.max_new_tokens)
+                                   self.task.score, self.tc.grpo.max_new_tokens)
         binary = all(s in (0.0, 1.0) for s in scores)
         return {"acc": sum(scores) / max(1, len(held)), "n": len(held),
                 "scores": "".join(str(int(s)) for s in scores) if binary else scores}
@@ -125,8 +125,7 @@ class RolloutSide:
             return
         dump_for_tests(mirror, self.sampler)
         self.sampler.close()
-        if hasattr(self.task.reward, "close"):   # math-verify's helper process
-            self.task.reward.close()
+        self.task.close()                          # math-verify's helper processes
 
 
 class all_threads:

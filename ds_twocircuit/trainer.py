@@ -63,7 +63,7 @@ class Trainer:
         self.rollouts = RolloutSide(tc, model_dir, tokenizer, sampling=dist.get_rank() == 0)
         if tc.codec.name == "lowrank":
             initial_bases(p, self.rollouts.calibration(p.micro))
-        self.checkpoints = Checkpointer(p.engine, run_dir)
+        self.checkpoints = Checkpointer(p.engine, run_dir, tc.train.keep_checkpoints)
         self.start, held_fire = self.checkpoints.load(tc.anchor.enabled) if resume else (0, None)
         self.log = StepLog(run, run_dir, self.start, resume) if dist.get_rank() == 0 else NoStepLog()
         if dist.get_rank() == 0:
@@ -114,6 +114,7 @@ class Trainer:
                 self.checkpoints.save(done, self.anchor.held if self.anchor else -1)
                 if self.anchor:
                     self.anchor.checkpointed(done)
+                self.checkpoints.prune()
         p = self.actor.p
         self.export(self.run_dir / "model")
         self.close()

@@ -74,7 +74,7 @@ def build_sampler(args, tc):
 
 
 def load_benchmark(name: str, source: str, tc, tokenizer):
-    """→ (prompts, answers, reward, rows left out by data.max_prompt_len)."""
+    """→ (prompts, answers, the task (its scorer and close), rows left out by data.max_prompt_len)."""
     from dataclasses import replace
 
     from ds_twocircuit.data import build_task
@@ -82,7 +82,7 @@ def load_benchmark(name: str, source: str, tc, tokenizer):
                                                        eval_split="test", eval_size=10 ** 9)
     task = build_task(data, tokenizer)
     held = task.held_out
-    return [task.prompt(p) for p in held["problem"]], list(held["answer"]), task.reward, task.left_out["held_out"]
+    return [task.prompt(p) for p in held["problem"]], list(held["answer"]), task, task.left_out["held_out"]
 
 
 def evaluate(args, run) -> list[dict]:
@@ -94,18 +94,17 @@ def evaluate(args, run) -> list[dict]:
     specs = benchmark_specs(args.bench, args.k)
     bar = tqdm(total=sum(1 + (k > 0) for *_, k in specs), desc="evaluate")
     for name, source, k in specs:
-        prompts, answers, reward, left_out = load_benchmark(name, source, tc, sampler.tokenizer)
+        prompts, answers, task, left_out = load_benchmark(name, source, tc, sampler.tokenizer)
         row = {"bench": name, "source": source or tc.data.eval_dataset or tc.data.dataset, "n": len(prompts),
                "left_out": left_out, "k": k}
         g = tc.grpo.max_new_tokens
-        row["mean@1"] = float(hits(sampler, prompts, answers, reward, 1, greedy=True, max_new_tokens=g).mean())
+        row["mean@1"] = float(hits(sampler, prompts, answers, task.score, 1, greedy=True, max_new_tokens=g).mean())
         bar.update()
         if k:
-            row.update(avg_at_k(hits(sampler, prompts, answers, reward, k, greedy=False, max_new_tokens=g,
+            row.update(avg_at_k(hits(sampler, prompts, answers, task.score, k, greedy=False, max_new_tokens=g,
                                      temperature=args.temperature, seed=args.seed)))
             bar.update()
-        if hasattr(reward, "close"):
-            reward.close()
+        task.close()
         results.append(row)
     bar.close()
     return results
@@ -129,7 +128,7 @@ def codec_check(args, run) -> list[dict]:
     bad = [b for b in budgets if not 1 <= keep_count(0, b, d) <= d]
     if bad:
         sys.exit(f"--codec-budgets {args.codec_budgets}: {bad} give no channel or more than d = {d}")
-    accuracy = lambda: greedy_accuracy(sampler, prompts, answers, task.reward, tc.grpo.max_new_tokens)
+    accuracy = lambda: greedy_accuracy(sampler, prompts, answers, task.score, tc.grpo.max_new_tokens)
     calib = task.train.select(range(min(args.calibration, len(task.train))))
     enc = sampler.tokenizer([task.prompt(p) + a for p, a in zip(calib["problem"], calib["answer"])],
                             return_tensors="pt", padding=True, add_special_tokens=False)

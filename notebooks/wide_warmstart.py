@@ -24,7 +24,7 @@ from transformers import Qwen2ForCausalLM
 
 from ds_twocircuit.config import WideModelConfig
 from ds_twocircuit.data.synthetic import synthetic_splits
-from ds_twocircuit.data.verify import exact_integer
+from ds_twocircuit.data.verify import exact_integers
 from ds_twocircuit.model.tiny import build_config, build_tokenizer, built_with, cache_root, tiny_model_key, warm_start
 from ds_twocircuit.sampler.hf import HFSampler, greedy_accuracy
 
@@ -56,7 +56,7 @@ def main():
         snap = out / f"step-{step}"
         model.save_pretrained(snap)
         tok.save_pretrained(snap)
-        acc = greedy_accuracy(HFSampler(str(snap)), held["problem"], held["answer"], exact_integer, 5)
+        acc = greedy_accuracy(HFSampler(str(snap)), held["problem"], held["answer"], exact_integers, 5)
         row = {"step": step, "loss": loss, "held_out_acc": acc, "elapsed_s": round(time.time() - t0, 1)}
         print(json.dumps(row), flush=True)
         with open(out / "curve.jsonl", "a") as f:

@@ -53,7 +53,7 @@ def test_build_task_from_path(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
     task = build_task(data_cfg(dataset=str(f), eval_size=8), build_tokenizer())
-    assert task.reward("\\boxed{4}", "4") == 1.0 and len(task.held_out) == 1
+    assert task.score(["\\boxed{4}", "\\boxed{5}"], ["4", "4"]) == [1.0, 0.0] and len(task.held_out) == 1
 
 
 def test_prompts_over_max_prompt_len_are_left_out_and_counted(tmp_path):
@@ -121,7 +121,7 @@ def test_verifier_is_bounded_and_never_raises_in_any_thread():
                 # a miss also waits for the replacement helper (math-verify's import: a few s here)
                 assert score in (0.0, 1.0) and took < limit + 15, (name, score, took)
         assert v(HOSTILE["1 MB response"], "1") == 1.0         # cut to its last \boxed, still scored
-        v._proc.kill()
+        v._helpers[0][0].kill()
         assert v("\\boxed{1}", "1") == 1.0
     finally:
         v.close()
@@ -140,6 +140,30 @@ def test_the_hard_limit_holds_alone():
         assert v("\\boxed{" + "{" * 900 + "1" + "}" * 900 + "}", "1") == 0.0
         assert time.monotonic() - t0 < 1 + 5 and v.timeouts == 1
         assert v("\\boxed{2}", "2") == 1.0
+    finally:
+        v.close()
+
+
+def test_a_pool_scores_in_order_and_bounds_each_answer():
+    """Two helpers: scores come back in the pairs' order whichever helper finished first; a stuck
+    answer (math-verify's timeouts off) costs one limit on one helper while the other goes on, is
+    scored 0 and its helper replaced; a helper killed between calls is replaced too."""
+    import time
+
+    from ds_twocircuit.data.math_verifier import MathVerifier
+    stuck = "\\boxed{" + "{" * 900 + "1" + "}" * 900 + "}"
+    pairs = [(f"\\boxed{{{k}}}", str(k if k % 3 else k + 1)) for k in range(12)]
+    pairs.insert(5, (stuck, "1"))
+    v = MathVerifier(timeout_s=1, own_timeouts=False, workers=2)
+    try:
+        assert v.many(["\\boxed{1}"] * 2, ["1", "2"]) == [1.0, 0.0]       # both helpers started, untimed
+        t0 = time.monotonic()
+        got = v.many([p for p, _ in pairs], [a for _, a in pairs])
+        took = time.monotonic() - t0
+        want = [0.0 if p == stuck else float(a == p[7:-1]) for p, a in pairs]
+        assert got == want and v.timeouts == 1 and took < 1 + 5, (got, took)
+        next(h for h in v._helpers if h is not None)[0].kill()
+        assert v.many(["\\boxed{7}", "\\boxed{8}", "\\boxed{9}"], ["7", "8", "0"]) == [1.0, 1.0, 0.0]
     finally:
         v.close()
 

@@ -27,7 +27,7 @@ def test_two_hosts_and_an_anchor_host_equal_one_host(anchored, tmp_path):
     """8 stages over 2 hosts × 4 ranks (stages 0–3 | 4–7: cut 3 crosses the bridge), the anchor on a
     third host (anchor.external) serving the shared mailbox, ANCHORED's config: the same rows,
     bit for bit but wall-clock, and the same weights as 8 ranks and the managed anchor on one host.
-    Each host seals its own part of every checkpoint."""
+    Each rank seals the files it wrote of every checkpoint."""
     p = multihost(tmp_path / "two", *ANCHORED)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "global_rank_mapping=defaultdict(<class 'list'>, {'host0': [0, 1, 2, 3], 'host1': [4, 5, 6, 7]})" in p.stdout + p.stderr
@@ -38,7 +38,7 @@ def test_two_hosts_and_an_anchor_host_equal_one_host(anchored, tmp_path):
     wa, wb = weights(anchored), weights(tmp_path / "two")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
     ckpt = tmp_path / "two" / "checkpoints" / "step12"
-    assert (ckpt / "manifest.node0.json").is_file() and (ckpt / "manifest.node1.json").is_file()
+    assert (ckpt / "manifest.rank0.json").is_file() and (ckpt / "manifest.rank7.json").is_file()
     assert "fire 2: replayed" in p.stdout and "STOP found" in p.stdout   # the anchor host's log
 
 

@@ -83,14 +83,14 @@ def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
 
 
 def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
-    """`latest` names a sealed checkpoint (one manifest per node); one flipped byte in a layer file
+    """`latest` names a sealed checkpoint (one manifest per rank); one flipped byte in a layer file
     and `--resume` stops with one line naming that file, before any process group or new row."""
     import shutil
     import time
     run = tmp_path / "run"
     shutil.copytree(eight, run)
     ckpt = run / "checkpoints"
-    assert (ckpt / "latest").read_text() == "step4" and (ckpt / "step4" / "manifest.node0.json").is_file()
+    assert (ckpt / "latest").read_text() == "step4" and len(list((ckpt / "step4").glob("manifest.rank*.json"))) == 8
     victim = max((ckpt / "step4").glob("layer_*"), key=lambda f: f.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 1

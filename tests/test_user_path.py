@@ -99,9 +99,9 @@ def test_user_model_and_data_through_eight_stages(fixtures, tmp_path):
     lp = {name: seq_logprobs(model, gen) for name, model in (("export", m), ("sampler", sampler), ("fixture", base))}
     assert torch.equal(lp["export"], lp["sampler"]) and not torch.equal(lp["export"], lp["fixture"])
     try:
-        acc = greedy_accuracy(HFSampler(str(tmp_path / "model")), prompts, task.held_out["answer"], task.reward, 16)
+        acc = greedy_accuracy(HFSampler(str(tmp_path / "model")), prompts, task.held_out["answer"], task.score, 16)
     finally:
-        task.reward.close()
+        task.close()
     print("held-out greedy accuracy, logged at step 2 / recomputed from the export:", evals[-1]["acc"], acc)
     assert acc == evals[-1]["acc"]
 

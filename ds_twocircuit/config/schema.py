@@ -85,6 +85,8 @@ class DataConfig:
     system_prompt: str = opt("", "the system turn under data.chat_template; empty: no system turn")
     verify_timeout: float = opt(5.0, "seconds math-verify may take per answer; past it the answer scores 0 and "
                                 "its helper process is restarted", lo=1)
+    verify_workers: int = opt(0, "math-verify helper processes scoring a step's answers side by side on rank 0 "
+                              "(0: one per core it may use, at most 16)", lo=0)
 
 
 @dataclass
@@ -119,6 +121,8 @@ class TrainConfig:
     seed: int = opt(0, "data order and sampling seed")
     eval_every: int = opt(20, "held-out evaluation cadence (also at step 0 and the last step)")
     save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)", lo=0)
+    keep_checkpoints: int = opt(3, "sealed checkpoints kept; older ones are removed once a newer one is sealed and "
+                                "named by `latest` (0: keep every one)", lo=0)
     dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
     probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
     max_skipped_steps: int = opt(5, "stop after this many steps in a row skipped for a non-finite loss or gradient", lo=1)

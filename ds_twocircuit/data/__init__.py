@@ -12,8 +12,8 @@ import numpy as np
 
 from .math_rows import load_math_rows, math_prompt
 from .synthetic import synthetic_splits
-from .math_verifier import MathVerifier
-from .verify import exact_integer
+from .math_verifier import MathVerifier, default_workers
+from .verify import exact_integers
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -24,7 +24,8 @@ class Task:
     train: Dataset            # columns: problem, answer
     held_out: Dataset
     prompt: Callable[[str], str]
-    reward: Callable[[str, str], float]
+    score: Callable[[list[str], list[str]], list[float]]   # (responses, answers) → each one's reward, in order
+    close: Callable[[], None]                                 # ends the verifier's helpers, if any
     left_out: dict[str, int]  # rows per split whose prompt is over data.max_prompt_len tokens
 
 
@@ -32,16 +33,18 @@ def build_task(data_cfg, tokenizer) -> Task:
     """The synthetic task, or MATH-style rows from `data.dataset` with the boxed template. Rows whose
     prompt is longer than `data.max_prompt_len` tokens of `tokenizer` are left out of both splits
     (as verl's `filter_overlong_prompts`), before the held-out set is cut to `data.eval_size`.
-    MATH-style rows are scored by math-verify in a helper process, `data.verify_timeout` per answer;
+    MATH-style rows are scored by math-verify in a pool of `data.verify_workers` helper processes (0:
+    one per core, at most 16), `data.verify_timeout` per answer;
     `data.chat_template` wraps every prompt in the tokenizer's chat template (counted in its length)."""
     if data_cfg.dataset == "synthetic":
         train, held = synthetic_splits(data_cfg.eval_size)
-        prompt, reward = (lambda p: p), exact_integer
+        prompt, score, close = (lambda p: p), exact_integers, (lambda: None)
     else:
         train = load_math_rows(data_cfg.dataset, data_cfg.split, data_cfg.problem_key, data_cfg.answer_key)
         held = load_math_rows(data_cfg.eval_dataset or data_cfg.dataset, data_cfg.eval_split,
                               data_cfg.problem_key, data_cfg.answer_key)
-        prompt, reward = math_prompt, MathVerifier(data_cfg.verify_timeout)
+        verifier = MathVerifier(data_cfg.verify_timeout, workers=data_cfg.verify_workers or default_workers())
+        prompt, score, close = math_prompt, verifier.many, verifier.close
     if data_cfg.chat_template:
         prompt = chat_prompt(tokenizer, prompt, data_cfg.system_prompt)
     train, n_train = within_length(train, prompt, tokenizer, data_cfg.max_prompt_len)
@@ -50,7 +53,8 @@ def build_task(data_cfg, tokenizer) -> Task:
         raise ValueError(f"data.max_prompt_len={data_cfg.max_prompt_len}: no training prompt is that short")
     if len(held) > data_cfg.eval_size:
         held = held.select(range(data_cfg.eval_size))
-    return Task(train, held, prompt, reward, left_out={"train": n_train, "held_out": n_held})
+    return Task(train, held, prompt, score, close, left_out={"train": n_train, "held_out": n_held})
+
 
 
 def chat_prompt(tokenizer, inner: Callable[[str], str], system: str) -> Callable[[str], str]:

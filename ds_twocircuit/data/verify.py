@@ -19,6 +19,10 @@ def exact_integer(response: str, answer: str) -> float:
     return float(int(text) == int(answer))
 
 
+def exact_integers(responses: list[str], answers: list[str]) -> list[float]:
+    return [exact_integer(r, a) for r, a in zip(responses, answers)]
+
+
 def math_answer(response: str, answer: str, timeout_s: int | None = 5) -> float:
     """`timeout_s`: math-verify's own limit on parse and on verify, whole seconds; None: off."""
     from math_verify import parse, verify

@@ -78,7 +78,7 @@ def build_tiny_model(tiny, out_dir: pathlib.Path, eval_size: int) -> None:
     from transformers import Qwen2ForCausalLM
 
     from ..data.synthetic import synthetic_splits
-    from ..data.verify import exact_integer
+    from ..data.verify import exact_integers
     from ..sampler.hf import HFSampler, greedy_accuracy
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -90,7 +90,7 @@ def build_tiny_model(tiny, out_dir: pathlib.Path, eval_size: int) -> None:
         warm_start(model, tok, train["problem"], train["answer"], tiny)
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
-        acc = greedy_accuracy(HFSampler(str(out_dir)), held["problem"], held["answer"], exact_integer, 5)
+        acc = greedy_accuracy(HFSampler(str(out_dir)), held["problem"], held["answer"], exact_integers, 5)
         (out_dir / "warmup.json").write_text(json.dumps({"held_out_acc": acc, **asdict(tiny), **built_with()}))
         print(f"[ds_twocircuit] embedded base model built: held-out greedy accuracy {acc:.3f} -> {out_dir}")
     finally:

@@ -1,4 +1,5 @@
-"""Files that appear whole or not at all: written under a temporary name, synced, renamed into place.
+"""Files that appear whole or not at all: written under a temporary name, synced, renamed into place
+(and the directory synced, so the new name survives a power loss).
 
 A reader (the anchor, a resumed trainer, another node) never sees half a file; a process killed
 mid-write leaves only a hidden `.NAME.tmpPID` behind.
@@ -15,3 +16,13 @@ def write_atomic(path: pathlib.Path, data: bytes | str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)     # the rename itself on disk
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    """fsync a directory, so that the names created or renamed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

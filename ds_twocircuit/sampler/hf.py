@@ -87,17 +87,17 @@ class HFSampler:
                                 pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True, **sample)
 
 
-def greedy_scores(sampler, prompts: list[str], answers: list[str], reward, max_new_tokens: int,
+def greedy_scores(sampler, prompts: list[str], answers: list[str], score, max_new_tokens: int,
                   batch: int = 512) -> list[float]:
     """Each held-out prompt's reward of its greedy answer, in order (dense view)."""
     out = []
     for i in range(0, len(prompts), batch):
         gen = sampler.generate(prompts[i:i + batch], 1, greedy=True, max_new_tokens=max_new_tokens)
-        out += [reward(t, a) for t, a in zip(gen.texts, answers[i:i + batch])]
+        out += score(gen.texts, answers[i:i + batch])
     return out
 
 
-def greedy_accuracy(sampler, prompts: list[str], answers: list[str], reward, max_new_tokens: int,
+def greedy_accuracy(sampler, prompts: list[str], answers: list[str], score, max_new_tokens: int,
                     batch: int = 512) -> float:
     """Held-out greedy mean@1 accuracy (dense view)."""
-    return sum(greedy_scores(sampler, prompts, answers, reward, max_new_tokens, batch)) / max(1, len(prompts))
+    return sum(greedy_scores(sampler, prompts, answers, score, max_new_tokens, batch)) / max(1, len(prompts))

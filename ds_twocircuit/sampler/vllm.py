@@ -6,7 +6,9 @@ vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
     generate      one request per prompt, n = G samples, seed (seed, step, prompt index), so a run
                   is repeatable and no prompt's draws depend on the batch beside it;
                   logprobs_mode="processed_logprobs": the log-prob of each sampled token under the
-                  distribution actually sampled, softmax(logits / τ) (what π_old must be)
+                  distribution actually sampled, softmax(logits / τ) (what π_old must be),
+                  returned flat (`flat_logprobs`: one list of floats per sample, not a dict of
+                  Logprob objects per token) and read as one slice per row
     load_weights  the trainer's dense weights, cast to the engine's dtype, as one safetensors blob
                   through `collective_rpc` to a worker extension (WorkerWeightLoader), which loads them in
                   place; then the prefix cache is reset (stale cached prefixes of prompts longer
@@ -104,7 +106,8 @@ class VLLMSampler:
         from vllm import SamplingParams
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         base = self.seed if seed is None else seed
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=list(self.eos_ids),
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, logprobs=0, flat_logprobs=True,
+                                 stop_token_ids=list(self.eos_ids),
                                  **({"temperature": 0.0} if greedy else
                                     {"temperature": temperature, "top_k": 0, "top_p": 1.0,
                                      "seed": (base * 1_000_003 + i) % 2 ** 63}))
@@ -149,7 +152,7 @@ class VLLMSampler:
             ids_NT[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
             attn_NT[i, P - len(x):P + len(r)] = 1
             resp_NT1[i, P - 1:P - 1 + len(r)] = 1.0
-            logp_NT1[i, P - 1:P - 1 + len(r)] = torch.tensor([lp[t].logprob for t, lp in zip(r, c.logprobs)])
+            logp_NT1[i, P - 1:P - 1 + len(r)] = torch.tensor(sampled_logprobs(c.logprobs, r))
             texts.append(self.tokenizer.decode(r, skip_special_tokens=True))
         return Generation(ids_NT=ids_NT, attn_NT=attn_NT, resp_NT1=resp_NT1, logp_NT1=logp_NT1, texts=texts)
 
@@ -158,6 +161,15 @@ class VLLMSampler:
         engine = getattr(self.llm, "llm_engine", None)
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
+
+
+def sampled_logprobs(flat, tokens: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's FlatLogprobs of a sample drawn with logprobs=0 (one
+    entry per position: the sampled token's), through len(tokens); checks they are those tokens'."""
+    n = len(tokens)
+    if n and (flat.token_ids[:n] != tokens or flat.end_indices[n - 1] != n):
+        raise RuntimeError("vLLM returned log-probs of other tokens than the ones it sampled")
+    return flat.logprobs[:n]
 
 
 def _through_eos(tokens: list[int], eos_ids) -> list[int]:
