@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 from .metrics import telemetry
 from .actor import Actor
 from .anchor.link import AnchorLink
+from .anchor.worker import INHERITED
 from .pipeline.calibration import initial_bases
 from .run import provenance
 from .run.checkpoint import Checkpointer
@@ -80,7 +81,7 @@ class Trainer:
         """The anchor process's link, restored to the fire held at the checkpoint; → (it, the held sign(M))."""
         p = self.actor.p
         cfg = {"train_micro_batch_size_per_gpu": p.micro, "optimizer": run.ds.get("optimizer"),
-               "twocircuit": as_dict(self.tc)}
+               **{k: run.ds[k] for k in INHERITED if k in run.ds}, "twocircuit": as_dict(self.tc)}
         link = AnchorLink(self.tc, self.run_dir, p, json.dumps(cfg, indent=1), shapes,
                           (held_fire, self.start) if held_fire is not None else None)
         restored = link.restore(held_fire) if held_fire is not None else None

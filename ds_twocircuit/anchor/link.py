@@ -71,7 +71,7 @@ class AnchorLink:
             (self.root / "STOP").unlink(missing_ok=True)
             (self.root / "config.json").write_text(config_json)
             if not self.a.external:
-                self.process = AnchorProcess(self.root, self.a.max_restarts)
+                self.process = AnchorProcess(self.root, self.a.max_restarts, self.a.device)
             if self.process is not None:
                 self.process.stop_stale()
             # a fresh run rewinds to nothing: an earlier run's files in this mailbox are not its own

@@ -17,13 +17,16 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "M
 
 
 class AnchorProcess:
-    def __init__(self, root: pathlib.Path, max_restarts: int):
-        self.root, self.max_restarts = root, max_restarts
+    def __init__(self, root: pathlib.Path, max_restarts: int, device: int = -1):
+        """`device`: the node's GPU the process may see (CUDA_VISIBLE_DEVICES); −1: rank 0's."""
+        self.root, self.max_restarts, self.device = root, max_restarts, device
         self.proc, self.restarts, self.gave_up = None, 0, False
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
         env["OMP_NUM_THREADS"] = "1"
+        if self.device >= 0:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.device)
         env["DS_TWOCIRCUIT_ANCHOR_START"] = str(self.restarts)   # which start this is (run/faults.py)
         log = open(self.root / "anchor.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox", str(self.root),

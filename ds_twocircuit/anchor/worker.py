@@ -18,6 +18,14 @@ published (state/step{f}.safetensors; the last two and those the trainer's check
 kept), so a restarted anchor resumes from the newest that checks out, also when it was killed
 mid-write, and publishes that fire's sign again if it had not yet. A resumed trainer rewinds the
 mailbox to its checkpoint (mailbox.rewind); a running anchor sees rewind.json change and reloads.
+
+Its DeepSpeed config keeps the trainer's activation checkpointing (`INHERITED`: the same recomputed
+segments of decoder layers), and log-probs are made from the head a chunk at a time
+(grpo/logprobs.py). It stays in fp32 without ZeRO whatever the trainer's precision: it reads each
+parameter's own .grad after a forward and backward without a step (passes.dense_gradient), which
+DeepSpeed's bf16 and ZeRO optimizers replace by flat partitions. A managed anchor runs on the node's GPU `anchor.device` (its process sees only
+that one: CUDA_VISIBLE_DEVICES), on the 1.5B recipe's 8 stages a ninth; an external one on the
+device its own launch gives it.
 """
 import argparse
 import copy
@@ -44,6 +52,10 @@ from .memory import update_memory
 from .sign import pack_signs, zero_runs
 
 
+# the trainer's DeepSpeed sections the anchor's one-stage engine keeps
+INHERITED = ("pipeline", "activation_checkpointing")
+
+
 class AnchorWorker:
     def __init__(self, root: pathlib.Path, model_dir: str, tc, ds: dict):
         self.root, self.tc = pathlib.Path(root), tc
@@ -54,7 +66,8 @@ class AnchorWorker:
         micro = math.gcd(n, ds.get("train_micro_batch_size_per_gpu", n))
         ds1 = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": n // micro,
                "train_batch_size": n, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
-               "optimizer": ds.get("optimizer", {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}})}
+               "optimizer": ds.get("optimizer", {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}}),
+               **{k: copy.deepcopy(ds[k]) for k in INHERITED if k in ds}}
         self.p = build_pipeline(model_dir, one, ds1)
         self.params = self.p.pipe.hf_parameters()
         self.base = [q.detach().clone() for q in self.p.pipe.parameters()]
