@@ -4,10 +4,12 @@ Reads each run's `metrics.jsonl` and `eval.jsonl` (no DeepSpeed, no torch). Pane
 average), held-out accuracy, codec-view entropy and KL to the reference, the train-inference gap on
 sampled tokens, clip fraction, the codec-off probe's drift (dense KL to the reference), and where the
 learning direction comes from (the probe steps' gradient cosines with the dense gradient), and β of
-the KL term (constant unless the drift controller runs). A panel
-whose key a run never logged is left empty for that run. Needs matplotlib (`pip install .[plot]`).
+the KL term (constant unless the drift controller runs), response length and the gradient norm. A
+panel whose key a run never logged is left empty for that run. A run directory's `metrics.jsonl` may
+be gzipped (`metrics.jsonl.gz`, as the long-run campaign keeps them). Needs matplotlib (`pip install .[plot]`).
 """
 import argparse
+import gzip
 import json
 import pathlib
 
@@ -21,6 +23,8 @@ PANELS = [
     ("probe/actor/kl_loss", "probe: dense KL to reference (true drift)", 0),
     ("grad/cos_corrected_dense", "cos(corrected grad, dense grad)", 0),
     ("actor/kl_coef", "KL coefficient β (the drift controller moves it)", 0),
+    ("response_length/mean", "response length, tokens (10-step mean)", 10),
+    ("actor/grad_norm", "gradient norm before clipping (10-step mean)", 10),
 ]
 
 
@@ -29,6 +33,10 @@ CODEC_VIEW = ("actor/entropy", "actor/kl_loss", "rollout_corr/kl")   # dense ste
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict]:
+    """The rows of `path`, or of `path`.gz; none if neither exists."""
+    gz = path.with_name(path.name + ".gz")
+    if not path.is_file() and gz.is_file():
+        return [json.loads(line) for line in gzip.open(gz, "rt") if line.strip()]
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -68,7 +76,7 @@ def plot(run_dirs: list[pathlib.Path], out: pathlib.Path, labels: list[str] | No
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+    fig, axes = plt.subplots(3, 4, figsize=(19, 11))
     spread: dict[str, list[float]] = {}
     for i, d in enumerate(run_dirs):
         label = labels[i] if labels else d.name
@@ -83,6 +91,8 @@ def plot(run_dirs: list[pathlib.Path], out: pathlib.Path, labels: list[str] | No
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
+    for ax in axes.flat[len(PANELS):]:
+        ax.set_visible(False)
     for ax, (key, _, _) in zip(axes.flat, PANELS):
         how = scale(key, spread.get(key, []))
         ax.set_yscale(how, **({"linthresh": 1e-3} if how == "symlog" else {}))
@@ -99,7 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("-o", "--out", type=pathlib.Path, default=pathlib.Path("runs/plot.png"))
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
     args = p.parse_args(argv)
-    missing = [str(d) for d in args.runs if not (d / "metrics.jsonl").is_file()]
+    missing = [str(d) for d in args.runs if not read_jsonl(d / "metrics.jsonl")]
     if missing:
         p.error(f"no metrics.jsonl in {', '.join(missing)}: pass run directories (launch/train.py --run-dir)")
     print(plot(args.runs, args.out, args.labels.split(",") if args.labels else None))

@@ -33,6 +33,16 @@ def test_plot_overlays_runs_into_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
 
 
+def test_a_gzipped_metrics_file_is_read(tmp_path):
+    import gzip
+    d = fake_run(tmp_path / "run", 0.0)
+    rows = plot_run.read_jsonl(d / "metrics.jsonl")
+    with gzip.open(d / "metrics.jsonl.gz", "wt") as f:
+        f.write((d / "metrics.jsonl").read_text())
+    (d / "metrics.jsonl").unlink()
+    assert plot_run.read_jsonl(d / "metrics.jsonl") == rows and len(rows) == 30
+
+
 def test_panels_leave_dense_steps_out_of_codec_views_and_pick_scales(tmp_path):
     m = plot_run.read_jsonl(fake_run(tmp_path / "prf", 3.0, dense_every=7) / "metrics.jsonl")
     x, y = plot_run.panel_series(m, [], "rollout_corr/kl")
