@@ -114,10 +114,18 @@ def test_vllm_cut_at_the_first_of_any_eos_id():
     s = object.__new__(VLLMSampler)
     s.eos_ids, s.pad_id = [1, 3], 0
     s.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids))
-    out = lambda ids: SimpleNamespace(token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=-0.5)} for t in ids])
+    # vLLM's FlatLogprobs of logprobs=0: one entry a position, the sampled token's
+    flat = lambda ids: SimpleNamespace(token_ids=list(ids), logprobs=[-0.1 * (i + 1) for i in range(len(ids))],
+                                       end_indices=list(range(1, len(ids) + 1)))
+    out = lambda ids: SimpleNamespace(token_ids=ids, logprobs=flat(ids))
     g = s._tensors([([9, 9], out([5, 3, 7, 1])), ([9], out([6, 1])), ([9], out([6, 6, 6, 6]))])
     assert g.ids_NT.tolist() == [[9, 9, 5, 3, 0, 0], [0, 9, 6, 1, 0, 0], [0, 9, 6, 6, 6, 6]]
     assert g.resp_NT1.sum(1).tolist() == [2, 2, 4] and g.texts == ["[5, 3]", "[6, 1]", "[6, 6, 6, 6]"]
+    assert torch.allclose(g.logp_NT1[0, 1:3], torch.tensor([-0.1, -0.2])) and g.logp_NT1[0, 3:].abs().sum() == 0
+    wrong = SimpleNamespace(token_ids=[5, 3], logprobs=SimpleNamespace(token_ids=[5, 4], logprobs=[-1.0, -1.0],
+                                                                      end_indices=[1, 2]))
+    with pytest.raises(RuntimeError, match="other tokens"):
+        s._tensors([([9], wrong)])
 
 
 def test_response_lengths_with_several_eos_ids():
