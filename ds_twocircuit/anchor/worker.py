@@ -23,9 +23,9 @@ Its DeepSpeed config keeps the trainer's activation checkpointing (`INHERITED`: 
 segments of decoder layers), and log-probs are made from the head a chunk at a time
 (grpo/logprobs.py). It stays in fp32 without ZeRO whatever the trainer's precision: it reads each
 parameter's own .grad after a forward and backward without a step (passes.dense_gradient), which
-DeepSpeed's bf16 and ZeRO optimizers replace by flat partitions. A managed anchor runs on the node's GPU `anchor.device` (its process sees only
-that one: CUDA_VISIBLE_DEVICES), on the 1.5B recipe's 8 stages a ninth; an external one on the
-device its own launch gives it.
+DeepSpeed's bf16 and ZeRO optimizers replace by flat partitions. A managed anchor runs on the
+node's GPU `anchor.device` (its process sees only that one: CUDA_VISIBLE_DEVICES), on the 1.5B
+recipe's 8 stages a ninth; an external one on the device its own launch gives it.
 """
 import argparse
 import copy

@@ -56,7 +56,6 @@ def build_task(data_cfg, tokenizer) -> Task:
     return Task(train, held, prompt, score, close, left_out={"train": n_train, "held_out": n_held})
 
 
-
 def chat_prompt(tokenizer, inner: Callable[[str], str], system: str) -> Callable[[str], str]:
     """problem → the chat-templated text: [system turn], the user turn `inner(problem)`, the
     assistant turn opened. The sampler encodes it as is (its special tokens are in the text)."""

@@ -76,11 +76,11 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) \
             if ctx.needs_input_grad[1] else None
+        w = weight_VD.detach().requires_grad_(grad_w is not None)    # one leaf for every chunk
         for s in range(0, h_ND.shape[0], ctx.rows):
             e = s + ctx.rows
             with torch.enable_grad():
                 h_c = h_ND[s:e].detach().requires_grad_(grad_h is not None)
-                w = weight_VD.detach().requires_grad_(grad_w is not None)
                 _, logp_c = _chunk_logprobs(h_c, w, targets_N[s:e], ctx.temperature)
                 wrt = [t for t in (h_c, w) if t.requires_grad]
                 grads = list(torch.autograd.grad(logp_c, wrt, grad_logp_N[s:e]))

@@ -2,8 +2,9 @@
 
 Layer items, in order: `Embed` (stage 0) · one `Decoder` per HF decoder layer · `FinalNorm` · the
 LM head (the embedding's tied copy via `TiedLayerSpec` when the model ties them, else `LMHead`),
-the last two on the last stage. The head returns `HeadOut(h, W)`, not the logits: the loss makes them
-a chunk of tokens at a time (grpo/logprobs.py), so (B, T, V) never exists whole. `layers_per_stage` assigns decoder layers to stages.
+the last two on the last stage. The head returns `HeadOut(h, W)`, not the logits: the loss makes
+them a chunk of tokens at a time (grpo/logprobs.py), so (B, T, V) never exists whole.
+`layers_per_stage` assigns decoder layers to stages.
 
 What crosses a stage boundary is `(h float, rows_B3 int32)`: the hidden state (or what the codec
 sends for it, `Codec.wire_out`: one tensor, or the rotated codec's fp16 carrier and uint8 payload;
