@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .model.pipe import check_contiguous, mask_from_span, span_from_mask
 from .pipeline import comm
 from .pipeline.calibration import calibration_batch
 from .run.faults import slow_point
@@ -51,9 +52,9 @@ class RolloutSide:
 
     def rollout(self, t: int, ends: tuple[int, ...], ends_group) -> tuple[Rollout, int]:
         """Step t's batch: rank 0 samples and scores, and sends each rank what it reads (device path,
-        read on the host): every rank the masks, rewards, advantages and sample ids (shapes, the
-        micro-batches, which sequences enter); the ranks in `ends` (the first and last stages) also
-        the token ids, attention and the sampler's log-probs. The other ranks hold zero-stride
+        read on the host): every rank the masks (the attention's as spans), rewards, advantages and
+        sample ids (shapes, the micro-batches, which sequences enter); the ranks in `ends` (the first
+        and last stages) also the token ids and the sampler's log-probs. The other ranks hold zero-stride
         zero tensors of their shapes, which DeepSpeed never loads on a middle stage. → (the batch,
         the bytes the ranks received)."""
         r = self._sample(t) if self.task is not None else None
@@ -139,16 +140,21 @@ class all_threads:
         torch.set_num_threads(self.n)
 
 
-TOKENS = ("ids_NT", "attn_NT", "sampler_logp_NT1")   # read by the first stage (ids, attention) and the last (targets, the sampler's log-probs)
+TOKENS = ("ids_NT", "sampler_logp_NT1")   # read by the first stage (ids) and the last (targets, the sampler's log-probs)
 
 
 def split_rollout(r: Rollout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """→ (what every rank reads, what only the ends read), in field order."""
-    every = [getattr(r, f) for f in Rollout.__dataclass_fields__ if f not in TOKENS]
-    return every, [getattr(r, f) for f in TOKENS]
+    """→ (what every rank reads, what only the ends read), in field order. The attention mask travels
+    to every rank as each row's span [first, last + 1), (N, 2), 16 bytes a sequence: every stage lays
+    out a pass's micro-batches from it (pipeline/passes.py)."""
+    check_contiguous(r.attn_NT)
+    every = [getattr(r, f) for f in Rollout.__dataclass_fields__ if f not in TOKENS and f != "attn_NT"]
+    return [*every, span_from_mask(r.attn_NT)], [getattr(r, f) for f in TOKENS]
 
 
 def join_rollout(every: list[torch.Tensor], tokens: list[torch.Tensor]) -> Rollout:
+    *rest, span_N2 = every
     parts = dict(zip(TOKENS, tokens))
-    rest = iter(every)
-    return Rollout(**{f: parts[f] if f in parts else next(rest) for f in Rollout.__dataclass_fields__})
+    rest = iter(rest)
+    fields = {f: parts[f] if f in parts else next(rest) for f in Rollout.__dataclass_fields__ if f != "attn_NT"}
+    return Rollout(**fields, attn_NT=mask_from_span(span_N2, fields["resp_NT1"].shape[1] + 1))

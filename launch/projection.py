@@ -5,8 +5,14 @@ GPU stages at 100 Mbit/s and 1 Gbit/s, per codec, and which term dominates.
                                 [--anchor compute-matched|full] [--ref sampler] [--prompt-share S
                                 --share-prompts] [--skipped-share Z] ...
 
-The workload is a GRPO step at deployment scale: 512 prompts × 8 samples × up to 4096 tokens per step (N = 16.8 M
-tokens), bf16 activations, P = 1.54 B parameters, S = 8 stages on H100s at 40 % MFU. Per step:
+The workload is a GRPO step at deployment scale: 512 prompts × 8 samples, bf16 activations, P = 1.54 B
+parameters, S = 8 stages on H100s at 40 % MFU. N, the token slots a pass computes and sends, comes
+from a drawn batch (pipeline/layout.py `long_tailed_spans`: responses log-normal with σ = 1 and mean
+--response-mean under --response-cap, the math runs' 550 under 3072; prompts uniform over
+--prompt-len) laid out as the pipeline would (--layout): `trimmed`, micro-batches of --micro cut by
+length (what `train.trim_micro_batches=auto` picks for such a batch), `padded`, every sequence as
+long as the batch's longest, or `full`, every sequence --tokens long (N = 16.8 M, the former
+assumption). Per step:
 
     compute      (2·P·N_ref + 6·P·N_upd) / (S·F·mfu)   the reference pass and the update, on S devices
     boundaries   β(M)·B/r                      B: bytes one cut carries per step over its passes
@@ -53,6 +59,10 @@ anchor fires every step on a keyed 1/c share of the batch: the same compute, a s
 θ as a one-step delta, P/8 bytes back every step.
 """
 import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 KEEP, D, FWD_ROT, BWD_ROT, FWD_FRONTIER, RANK_FRONTIER = 77, 1536, 770, 242, 410, 2
 CODECS = ("dense", "prf95", "rotated", "frontier")
@@ -70,13 +80,25 @@ def bytes_per_token(codec: str, micro_tokens: float) -> tuple[float, float]:
             "frontier": (FWD_FRONTIER, rank_back)}[codec]
 
 
+def workload(a) -> tuple[float, float]:
+    """(N, the token slots one pass computes and sends; the response tokens) of a step's batch under
+    a.layout."""
+    if a.layout == "full":
+        n = a.prompts * a.samples * a.tokens
+        return n, n * (1 - a.prompt_share)
+    from ds_twocircuit.pipeline.layout import long_tailed_spans, padded_layout, trimmed_layout
+    span, T, P = long_tailed_spans(a.prompts, a.samples, a.response_mean, a.response_cap, tuple(a.prompt_len))
+    lay = trimmed_layout(span, T, a.micro, 1) if a.layout == "trimmed" else padded_layout(len(span), T, a.micro)
+    return float(lay.positions()), float((span[:, 1] - P).sum())
+
+
 def pass_tokens(a, codec: str) -> tuple[float, float, float]:
     """(tokens of the reference forward on the wire, of each update pass, response tokens) per step."""
-    n = a.prompts * a.samples * a.tokens
+    n, resp = a.n, a.resp
     shared = a.share_prompts and codec not in NO_SHARED_PROMPTS
     crossing = n * (a.prompt_share / a.samples + 1 - a.prompt_share) if shared else n
     update = crossing * (1 - a.skipped_share)
-    return crossing if reference_pass(a, codec) else 0.0, update, n * (1 - a.prompt_share)
+    return crossing if reference_pass(a, codec) else 0.0, update, resp
 
 
 def has_kl(a, codec: str) -> bool:
@@ -96,7 +118,7 @@ def flow_shop(m: int, stages: int) -> float:
 
 def terms(codec: str, rate_bps: float, a) -> dict[str, float]:
     r = rate_bps / 8
-    n = a.prompts * a.samples * a.tokens
+    n = a.n
     ref, upd, resp = pass_tokens(a, codec)
     n_ref = n if reference_pass(a, codec) else 0.0    # compute: sharing saves bytes, not FLOPs
     compute = (2 * n_ref + 6 * n * (1 - a.skipped_share)) * a.params / (a.stages * a.gpu_flops * a.mfu)
@@ -149,12 +171,26 @@ def parse(argv=None):
     ap.add_argument("--params", type=float, default=1.54e9)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=4096, help="every sequence's length with --layout full")
+    ap.add_argument("--layout", choices=["trimmed", "padded", "full"], default="trimmed")
+    ap.add_argument("--response-mean", type=float, default=550.0)
+    ap.add_argument("--response-cap", type=int, default=3072)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[60, 320])
+    ap.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (the 1.5B recipe's)")
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--gpu-flops", type=float, default=989e12)
     ap.add_argument("--mfu", type=float, default=0.4)
     return ap.parse_args(argv)
 
 
+def main(argv=None) -> None:
+    a = parse(argv)
+    a.n, a.resp = workload(a)
+    seqs = a.prompts * a.samples
+    print(f"{a.layout}: N = {a.n / 1e6:.2f} M token slots a pass ({a.n / seqs:.0f} a sequence), "
+          f"{a.resp / 1e6:.2f} M response tokens ({a.resp / seqs:.0f} a sequence)\n")
+    print(table(a))
+
+
 if __name__ == "__main__":
-    print(table(parse()))
+    main()

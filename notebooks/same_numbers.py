@@ -3,6 +3,7 @@
     python notebooks/same_numbers.py BEFORE AFTER [--steps 20] [--probe-every 5] [--out runs/same_numbers]
                                      [--recipes dense prf95 lowrank lowrank_drift rotated frontier_wide]
                                      [--may-differ KEY ...] [--renamed OLD=NEW ...] [--wide-start DIR]
+                                     [--after-overrides KEY=VALUE ...]
 
 A change that should not change numbers proves it: each commit is checked out into its own git
 worktree and runs each recipe there (`deepspeed --num_gpus 8 launch/train.py`, its own package on
@@ -12,8 +13,11 @@ of the comparison; nothing else is. A commit's runs are kept under OUT/<sha>/<re
 when complete, so comparing a new commit against an old one reruns only the new one. Exit status
 1 when anything differs. Runs share one model cache (`$DS_TWOCIRCUIT_CACHE`), one at a time.
 
-`--may-differ KEY ...`: metrics keys a change is meant to move (a file format's byte counts, say);
-their differences are still printed and counted, in their own column, and do not fail the check.
+`--may-differ KEY ...`: metrics keys a change is meant to move (a file format's byte counts, say;
+KEY ending in "/" names every key under it, a new family of metrics included); their differences are
+still printed and counted, in their own column, and do not fail the check. `--after-overrides
+KEY=VALUE ...`: config overrides for AFTER's runs only (a switch the change added, set to what the
+old code did); those runs are kept apart, under OUT/<sha>+<overrides>.
 Eval rows (the keys both sides wrote) and weights may never differ. `--renamed OLD=NEW ...`: metrics the change renamed, all at
 once (two may swap names); BEFORE's rows are read under the new names, so the values still compare
 bit for bit. `frontier_wide` runs the wide recipe from a fixed HF start (`--wide-start DIR`) at 8
@@ -55,22 +59,29 @@ def complete(run_dir: pathlib.Path, steps: int) -> bool:
     return m.is_file() and len(read_jsonl(m)) == steps and any((run_dir / "model").glob("*.safetensors"))
 
 
-def run_commit(sha: str, recipes: list[str], a) -> None:
-    """Each recipe at `sha`, in a temporary worktree of it, unless its run is already complete."""
-    todo = [r for r in recipes if not complete(pathlib.Path(a.out) / sha / r, a.steps)]
+def run_name(sha: str, overrides: list[str]) -> str:
+    """A commit's runs' directory under OUT: the sha, and the overrides they ran with."""
+    return "+".join([sha, *(o.replace("/", "_") for o in overrides)])
+
+
+def run_commit(sha: str, recipes: list[str], a, overrides: list[str] = ()) -> None:
+    """Each recipe at `sha` (with `overrides`), in a temporary worktree of it, unless its run is
+    already complete."""
+    name = run_name(sha, list(overrides))
+    todo = [r for r in recipes if not complete(pathlib.Path(a.out) / name / r, a.steps)]
     if not todo:
         return
     tree = pathlib.Path(tempfile.mkdtemp(prefix=f"same-{sha[:8]}-"))
     subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True, capture_output=True)
     try:
         for recipe in todo:
-            run_dir = (pathlib.Path(a.out) / sha / recipe).resolve()
+            run_dir = (pathlib.Path(a.out) / name / recipe).resolve()
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             cmd = [DEEPSPEED, "--num_gpus", "8", "--master_port", str(free_port()),
                    "launch/train.py", "--ds-config", f"ds_configs/{RECIPES[recipe][0]}.json", "--run-dir", str(run_dir),
                    f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
-                   "log.wandb=false", *RECIPES[recipe][1]]
+                   "log.wandb=false", *RECIPES[recipe][1], *overrides]
             if recipe == "frontier_wide":
                 if not a.wide_start:
                     sys.exit("frontier_wide needs --wide-start DIR (an HF export of the wide model to start from)")
@@ -125,6 +136,10 @@ def compare_rows(a: list[dict], b: list[dict], renamed: dict[str, str] = {}) -> 
     return n, diffs
 
 
+def meant(key: str, may_differ: tuple[str, ...]) -> bool:
+    return any(key == m or (m.endswith("/") and key.startswith(m)) for m in may_differ)
+
+
 def compare(before: str, after: str, recipes: list[str], out: pathlib.Path, may_differ: tuple[str, ...] = (),
             renamed: dict[str, str] = {}) -> bool:
     import torch
@@ -139,13 +154,13 @@ def compare(before: str, after: str, recipes: list[str], out: pathlib.Path, may_
         evals = len(ea) == len(eb) > 0 and all(ra[k] == rb[k] for ra, rb in zip(ea, eb) for k in ra.keys() & rb.keys())
         wa, wb = weights(da), weights(db)
         w_equal = bool(wa) and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)   # none exported is no proof
-        allowed = [line for k, line in diffs if k in may_differ]
+        allowed = [line for k, line in diffs if meant(k, may_differ)]
         ok = len(allowed) == len(diffs) and evals and w_equal
         same &= ok
         print(f"| {recipe} | {len(read_jsonl(da / 'metrics.jsonl'))} | {n} | {len(diffs)} | {len(allowed)} | {evals} "
               f"| {len(wa)} | {w_equal} |")
         for k, line in diffs[:20]:
-            print(f"    {recipe}: {line}{' (allowed)' if k in may_differ else ''}")
+            print(f"    {recipe}: {line}{' (allowed)' if meant(k, may_differ) else ''}")
     return same
 
 
@@ -161,14 +176,17 @@ def main(argv=None) -> None:
                    help="metrics keys the change is meant to move (counted and printed, not failing)")
     p.add_argument("--renamed", nargs="+", default=[], metavar="OLD=NEW", help="metrics keys the change renamed")
     p.add_argument("--wide-start", default=None, help="frontier_wide's starting model (an HF directory)")
+    p.add_argument("--after-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides for AFTER's runs only (a new switch set to the old behaviour)")
     a = p.parse_args(argv)
     renamed = dict(pair.split("=", 1) for pair in a.renamed)
     before, after = sha_of(a.before), sha_of(a.after)
-    for sha in (before, after):
-        run_commit(sha, a.recipes, a)
-    ok = compare(before, after, a.recipes, pathlib.Path(a.out), tuple(a.may_differ), renamed)
+    run_commit(before, a.recipes, a)
+    run_commit(after, a.recipes, a, a.after_overrides)
+    ok = compare(before, run_name(after, a.after_overrides), a.recipes, pathlib.Path(a.out), tuple(a.may_differ), renamed)
     verdict = "DIFFERENT" if not ok else f"bitwise equal but {', '.join(a.may_differ)}" if a.may_differ else "bitwise equal"
-    print(f"\n{before[:8]} vs {after[:8]}, {a.steps} steps, probe every {a.probe_every}: {verdict}")
+    with_ = f" ({' '.join(a.after_overrides)})" if a.after_overrides else ""
+    print(f"\n{before[:8]} vs {after[:8]}{with_}, {a.steps} steps, probe every {a.probe_every}: {verdict}")
     sys.exit(0 if ok else 1)
 
 

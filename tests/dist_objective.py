@@ -4,15 +4,18 @@
 from the tests' config at temperature 0.7 and β = 0.05. Each replica runs `passes.update` (the real
 micro-batches, last-stage loss and its scale) on its part of a synthetic rollout (`make_rollout`:
 ragged prompts and responses, mixed-sign advantages, π_old and π_ref off π_θ by seeded noise, so
-ratios are clipped both ways and dual-clipped), three times:
+ratios are clipped both ways and dual-clipped), four times:
 
-  plain     AdamW at lr 0, no clip: the gradient each stage's optimizer receives
+  plain     AdamW at lr 0, no clip: the gradient each stage's optimizer receives, micro-batches of one
+            padded length in batch order (train.trim_micro_batches=never)
+  trimmed   the same with micro-batches sorted by length, each trimmed to its own (=always); this and
+            the passes below run trimmed
   clipped   lr 0, the true-norm clip (pipeline/clip.py) at MAX_NORM, below the gradient's norm: the
             gradient after the clip, and the norm it read before
   direction on-policy, β = 0, a fresh AdamW at lr DIRECTION_LR: log π of every response before and
             after the step
 
-Rank 0 writes the rollout (OUT/rollout.pt); each stage its gradients (OUT/{plain,clipped}/grads_stage{s}
+Rank 0 writes the rollout (OUT/rollout.pt); each stage its gradients (OUT/{plain,trimmed,clipped}/grads_stage{s}
 .safetensors, data-parallel rank 0); the last stage's replicas their rows' log-probs
 (OUT/direction{dp}.pt). The test recomputes the gradients with the HF model and `grpo_token_loss` in
 one process (`reference_gradients`), which shares nothing with the pipeline's loss path but the loss
@@ -127,7 +130,10 @@ def main(model_dir, config, out):
             os.makedirs(f"{out}/{name}", exist_ok=True)
             save_file(state["grads"], f"{out}/{name}/grads_stage{p.stage}.safetensors")
 
+    p.trim = "never"                                       # micro-batches of one padded length, in order
     update("plain", None, 0.0, old_NT1=old[rows], ref_NT1=ref[rows], coefs=coefs, old_is_current=False)
+    p.trim = "always"                                      # sorted by length, each trimmed to its own
+    update("trimmed", None, 0.0, old_NT1=old[rows], ref_NT1=ref[rows], coefs=coefs, old_is_current=False)
     clip = TrueNormClip(p.engine, p.pipe, MAX_NORM, active=True)
     update("clipped", clip, 0.0, old_NT1=old[rows], ref_NT1=ref[rows], coefs=coefs, old_is_current=False)
     if dist.get_rank() == 0:

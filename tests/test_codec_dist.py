@@ -81,8 +81,10 @@ PROBE = ["probe/rollout_corr/kl", "probe/rollout_corr/k3_kl", "probe/rollout_cor
          "grad/cos_corrected_dense"]
 
 
+# trimmed micro-batches, as the dense control's rule chooses for the tiny batches (the byte-for-byte
+# comparisons with it below need one layout; its codec alone would keep them padded)
 PRF_CONTROLLED = ("codec.name=prf", "codec.keep_ratio=0.25", "train.probe_every=2", "control.enabled=true",
-                  "control.dense_rate_min=0.4", "control.dense_rate_max=0.4")
+                  "control.dense_rate_min=0.4", "control.dense_rate_max=0.4", "train.trim_micro_batches=always")
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +131,19 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
     floats = lambda x: 2 * (x["codec/bytes_fwd"] - x["codec/bytes_fwd_bf16"])
     assert floats(r[0]) == floats(rows(eight)[0]) * k / d
     assert r[0]["codec/bytes_fwd"] - floats(r[0]) == rows(eight)[0]["codec/bytes_fwd"] - floats(rows(eight)[0])
-    # the dense-equivalent counterfactual is what the dense control really sent for the same batch
+    # the dense-equivalent counterfactual is what the dense control really sent for the same batch,
+    # laid out the same: trimmed (the dense control's rule chose it, the codec's run is pinned to it)
     dense = rows(eight)[0]
+    assert dense["pipeline/trimmed_passes"] == r[0]["pipeline/trimmed_passes"] == 1     # its one update pass
+    assert dense["pipeline/token_slots"] == r[0]["pipeline/token_slots"] < dense["pipeline/padded_slots"]
     assert dense["codec/bytes_fwd"] == dense["codec/dense_equiv_bytes"] == r[0]["codec/dense_equiv_bytes"]
     assert dense["codec/bytes_bwd"] == r[0]["codec/dense_equiv_bytes_bwd"]
     # in bf16 the fp32 tensors halve: every gradient sent back, the PRF payload, the dense activations
     # (the rest of the forward, integer ids and metadata, stays as sent)
     for x in (dense, r[0]):
         assert x["codec/bytes_bwd_bf16"] == x["codec/bytes_bwd"] / 2
-    assert dense["codec/bytes_fwd"] / 2 < dense["codec/bytes_fwd_bf16"] < dense["codec/bytes_fwd"] * 0.51
+    # (DeepSpeed's 1 KB shape message with every trimmed micro-batch is most of the rest on this toy model)
+    assert dense["codec/bytes_fwd"] / 2 < dense["codec/bytes_fwd_bf16"] < dense["codec/bytes_fwd"] * 0.6
 
 
 ROTATED = ("codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=20", "codec.bwd_bits=2")
@@ -159,13 +165,12 @@ def rotated(tiny_model, tmp_path_factory):
     return d
 
 
-def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, rotated, tmp_path):
+def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(rotated, tmp_path):
     """Forward 32 coordinates at 4 bits (18 B per token), backward 20 at 2 bits (8 B): the p2p layer
     sees exactly 8/128 of the dense gradient bytes back on every cut, the forward 18/128 plus the
     row descriptor; the reference and the policy pass see the same code (KL 0 at step 1); 16
     micro-batches instead of 4 give the same losses, codec-view KL and weights (the code is a token's
-    own; 1e-4 relative, measured ≤ 1.6e-6 on the codec-view KL); the dense-equivalent counterfactual
-    is what the dense control sent."""
+    own; 1e-4 relative, measured ≤ 1.6e-6 on the codec-view KL)."""
     r = rows(rotated)
     assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-4
     for x in r:
@@ -175,9 +180,9 @@ def test_rotated_codec_bytes_per_direction_and_same_code_across_passes(eight, ro
         assert 18 / 128 < x["codec/bytes_fwd"] / x["codec/dense_equiv_bytes"] < 18 / 128 * 1.1
         # b-bit codes and integers: a bf16 pipeline sends the same bytes
         assert (x["codec/bytes_fwd_bf16"], x["codec/bytes_bwd_bf16"]) == (x["codec/bytes_fwd"], x["codec/bytes_bwd"])
-    dense = rows(eight)[0]
-    assert (r[0]["codec/dense_equiv_bytes"], r[0]["codec/dense_equiv_bytes_bwd"]) == \
-        (dense["codec/bytes_fwd"], dense["codec/bytes_bwd"])
+    # 26 bytes a token slot on a cut: a trim would not pay for DeepSpeed's shape messages on these
+    # short batches, so every pass stays padded (the dense control's trims, test_prf_wire_ratio_...)
+    assert all(x["pipeline/trimmed_passes"] == 0 for x in r)
     launch(8, tmp_path / "micro2", *ROTATED, config=micro2_config(tmp_path))
     assert_rows_close(r, rows(tmp_path / "micro2"), ("actor/pg_loss", "actor/grad_norm", "rollout_corr/kl", "actor/entropy"),
                       rel_tol=1e-4)

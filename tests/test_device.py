@@ -147,6 +147,7 @@ def test_the_last_stage_returns_log_probs_beside_the_rollout_on_the_host():
     from ds_twocircuit.grpo.loss import k3_kl
     from ds_twocircuit.metrics.health import mismatch_sums
     from ds_twocircuit.model.pipe import HeadOut
+    from ds_twocircuit.pipeline.layout import padded_layout
     from ds_twocircuit.pipeline.passes import _LogProbs, host_logprobs
     g = torch.Generator().manual_seed(2)
     out = HeadOut(on(torch.randn(2, 6, 4, generator=g)), on(torch.randn(11, 4, generator=g)))
@@ -155,7 +156,7 @@ def test_the_last_stage_returns_log_probs_beside_the_rollout_on_the_host():
     rec = _LogProbs(1.0)
     with placed():
         rec(out, (targets,))
-        logp = host_logprobs(rec.logps)
+        logp = host_logprobs(rec.logps, padded_layout(2, 6, 2))
         sums = mismatch_sums(sampler_logp, logp, w)
         kl = k3_kl(logp, sampler_logp, w > 0)
     assert logp.device.type == "cpu" and torch.isfinite(kl).all() and all(torch.isfinite(v) for v in sums.values())

@@ -157,6 +157,18 @@ class Codec:
         payload = wire[1] if len(wire) > 1 else wire[0].new_empty(*wire[0].shape[:-1], 0, dtype=torch.uint8)
         return _RotatedReceive.apply(wire[0], payload, keys, self.fwd, self.back(), dtype)
 
+    def token_bytes(self, layer: int, act_bytes: int, backward: bool, tokens: int) -> int:
+        """Bytes one token slot costs on cut `layer` as configured (on, whatever block this runs in):
+        forward, plus its gradient back when the pass has a backward. `act_bytes`: the pipeline's
+        activation element size (dense cuts); `tokens`: a micro-batch's slots (the rank code's share
+        of its Q factor depends on it)."""
+        if self.name == "dense" or layer not in self.cuts:
+            return self.d * act_bytes * (1 + backward)
+        if self.name == "rotated":
+            f, g = wire_format(self.fwd, self.back(), tokens)
+            return f + g * backward
+        return self.k * self.payload_dtype.itemsize * (1 + backward)
+
     def back(self) -> "rotated.Budget | Rank":
         """The backward's code: the rotated budget, or the rank of the micro-batch's code."""
         return Rank(self.d, self.bwd_rank) if self.bwd_rank else self.bwd

@@ -34,6 +34,9 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
     g = tc.grpo
     if g.group_size < 2:
         raise ConfigError(f"grpo.group_size={g.group_size}: group-normalised advantages need at least 2 samples")
+    if tc.train.trim_micro_batches not in ("auto", "always", "never"):
+        raise ConfigError(f"train.trim_micro_batches='{tc.train.trim_micro_batches}': expected 'auto', 'always' or "
+                          "'never'")
     if g.ref_logprobs not in ("pipeline", "sampler"):
         raise ConfigError(f"grpo.ref_logprobs='{g.ref_logprobs}': expected 'pipeline' or 'sampler'")
     if g.share_prompts and ds["train_micro_batch_size_per_gpu"] % g.group_size:

@@ -123,6 +123,10 @@ class TrainConfig:
     save_every: int = opt(50, "DeepSpeed checkpoint cadence (0: only at the end)", lo=0)
     keep_checkpoints: int = opt(3, "sealed checkpoints kept; older ones are removed once a newer one is sealed and "
                                 "named by `latest` (0: keep every one)", lo=0)
+    trim_micro_batches: str = opt("auto", "auto | always | never: cut a pass's micro-batches by length, each "
+                                  "trimmed to its own longest row (padding neither computed nor sent, at the cost of "
+                                  "DeepSpeed's 1 KB shape message per micro-batch and cut); auto where the bytes "
+                                  "saved exceed those messages")
     dense_every: int = opt(0, "every N-th step runs with the codec off (the seeds: 50); 0: never")
     probe_every: int = opt(10, "codec-off probe cadence (dense log-probs, true drift, dense gradient); 0: off")
     max_skipped_steps: int = opt(5, "stop after this many steps in a row skipped for a non-finite loss or gradient", lo=1)

@@ -36,6 +36,8 @@ LOSSES = ["actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac",
 # its train pass reproduces the old-policy pass (same weights, same codec keys)
 FIRST_RATIO = "actor/first_update_abs_log_ratio"
 MOVEMENT = ("_d2", "_b2", "_pb", "_p2")
+# the update passes' token slots: computed, at one padded length, passes trimmed (pipeline/passes.py)
+SLOTS = ["pipeline/token_slots", "pipeline/padded_slots", "pipeline/trimmed_passes"]
 WIRE = ("_fwd", "_bwd", "_pay", "_dense", "_pay_train", "_dense_train", "_fwd32", "_bwd32")
 CORRECTION = ["anchor/_agree", "anchor/_numel", "grad/_cd", "grad/_cc", "grad/_dd", "grad/_kd", "grad/_kk"]
 
@@ -155,7 +157,7 @@ def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -
     out.update(finish_stepped(r))
     out.update(finish_movement(r, num_stages))
     out.update(finish_wire(r, num_stages))
-    out.update({k: v for k, v in r.items() if k.startswith("memory/")})
+    out.update({k: v for k, v in r.items() if k.startswith("memory/") or k in SLOTS})
     return out
 
 

@@ -61,7 +61,8 @@ class Pipeline:
     share_group: int = 0        # grpo.share_prompts: G, each cut sends a group's prompt once; 0: off
     ends: tuple = ()            # global ranks of the first and last stages (and rank 0): what reads a batch's tokens
     ends_group: Any = None      # their device-path group (comm.subgroup)
-    shape_key: tuple | None = None   # (padded length, prompt columns shared, codec on): DeepSpeed's receive buffers' sizes
+    trim: str = "auto"          # train.trim_micro_batches: auto | always | never (passes.choose_layout)
+    shape_key: tuple | None = None   # the last padded pass's (length, prompt columns shared, codec on); None after a trimmed one
 
     @property
     def stage(self) -> int:
@@ -126,5 +127,5 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
     return Pipeline(engine=engine, pipe=pipe, codec=codec, loss=loss, micro=ds["train_micro_batch_size_per_gpu"],
                     temperature=tc.grpo.temperature, per_param_grads=per_param,
                     clip=TrueNormClip(engine, pipe, max_norm, per_param),
-                    share_group=tc.grpo.group_size if tc.grpo.share_prompts else 0,
+                    share_group=tc.grpo.group_size if tc.grpo.share_prompts else 0, trim=tc.train.trim_micro_batches,
                     ends=ends, ends_group=comm.subgroup(list(ends)))

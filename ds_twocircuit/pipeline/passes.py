@@ -12,9 +12,18 @@ Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_
 loss is multiplied back by gradient-accumulation steps × data-parallel size, which DeepSpeed
 divides by, so the gradient is exactly the global token-mean's however the batch is split.
 
-Every pass first fits DeepSpeed's receive buffers to its batch: they are sized by the first send
-(about 1 KB of shape metadata per cut) and reused, so a pass whose padded length, or codec on/off,
-differs from the previous pass's resets them on every rank.
+Every pass over a batch lays its micro-batches out the same way (`plan`: padded, or cut by length
+and trimmed, layout.py), chosen from the batch's lengths and the run's codec as configured, so the
+probe's and a dense step's codec-off passes match the compressed ones. A token's position (from the
+mask) and sample id, hence its codec keys, do not depend on the layout, and the loss's weights are
+the global token-mean's; a trimmed pass moves only float order (which rows share a matmul, the
+length attention runs at, the rank code's per-micro-batch draw). The last stage's per-micro-batch
+log-probs go back to (N, T−1) in the batch's order.
+
+DeepSpeed sizes its receive buffers from the shape message and reuses them; it takes receive and
+gradient buffers from one pool by position and hands out a larger buffer of another dtype as is, so a
+padded pass whose padded length, prompt columns or codec on/off differ from the last pass's, and
+every trimmed pass, first drops them on every rank (`shaped`).
 """
 import contextlib
 from collections import defaultdict
@@ -26,7 +35,9 @@ from ..codec import shared_prompts
 from ..grpo.logprobs import head_logprobs
 from ..grpo.loss import LossCoefs, grpo_token_loss
 from ..grpo.rollouts import Rollout
-from ..model.pipe import HeadOut, check_contiguous
+from ..codec.geometry import cut_layers
+from ..model.pipe import HeadOut, check_contiguous, span_from_mask
+from .layout import Layout, choose_layout
 
 
 class LastStage:
@@ -90,54 +101,82 @@ class Update:
     grad_norm: float                 # the global gradient norm before clipping
 
 
-def micro_batches(r: Rollout, micro: int, weight_NT1, old_NT1, ref_NT1, share: int = 0):
-    """DeepSpeed's ((ids, attn, sid[, [P, G]]), labels) micro-batches of `micro` sequences, in order;
-    with `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py)."""
+def plan(p, batch: Rollout) -> Layout:
+    """The layout of every pass over `batch`, the same on every rank of the pipeline (each holds the
+    batch's masks) and for every pass of it: the rule reads the run's codec as configured, on, and a
+    training pass's bytes, so the probe's and a dense step's codec-off passes lay the batch out as
+    the compressed ones do."""
+    N, T = batch.attn_NT.shape
+    act_bytes = 2 if p.engine.bfloat16_enabled() else 4
+    cuts = [p.codec.token_bytes(c, act_bytes, True, p.micro * T) for c in cut_layers(p.pipe.layers_per_stage)]
+    return choose_layout(span_from_mask(batch.attn_NT), T, p.micro, p.share_group, cuts, p.trim)
+
+
+def micro_batches(r: Rollout, lay: Layout, weight_NT1, old_NT1, ref_NT1, share: int = 0):
+    """DeepSpeed's ((ids, attn, sid[, [P, G]]), labels) micro-batches of `lay`, in its order; with
+    `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py)."""
     check_contiguous(r.attn_NT)
-    P = shared_prompts.prompt_columns(r.resp_NT1) if share else 0
-    extra = (torch.tensor([P, share]),) if P else ()
-    for i in range(0, r.ids_NT.shape[0], micro):
-        s = slice(i, i + micro)
+    prompt = shared_prompts.prompt_columns(r.resp_NT1) if share else 0   # responses start at one column
+    for rows, (lo, hi) in zip(lay.rows, lay.cols):
+        ids, t = r.ids_NT[rows, lo:hi], slice(lo, hi - 1)
+        P = prompt - lo if prompt else 0
         if P:
-            shared_prompts.check_groups(r.ids_NT[s], P, share)
-        yield ((r.ids_NT[s], r.attn_NT[s], r.sample_id_N[s], *extra),
-               (r.ids_NT[s, 1:], weight_NT1[s], r.adv_N[s], old_NT1[s], ref_NT1[s]))
+            shared_prompts.check_groups(ids, P, share)
+        extra = (torch.tensor([P, share]),) if P else ()
+        yield ((ids, r.attn_NT[rows, lo:hi], r.sample_id_N[rows], *extra),
+               (ids[:, 1:], weight_NT1[rows, t], r.adv_N[rows], old_NT1[rows, t], ref_NT1[rows, t]))
 
 
-def host_logprobs(logps: list[torch.Tensor]) -> torch.Tensor:
-    """The last stage's log-probs of a pass, (N, T−1), on the host beside the rollout they score (its
-    masks, the sampler's log-probs; DeepSpeed moves them back to the device as labels)."""
-    return torch.cat(logps).cpu()
+def host_logprobs(logps: list[torch.Tensor], lay: Layout) -> torch.Tensor:
+    """The last stage's log-probs of a pass, each micro-batch's (rows, hi − lo − 1), back to (N, T−1)
+    in the batch's order (0 outside a micro-batch's columns), on the host beside the rollout they
+    score (its masks, the sampler's log-probs; DeepSpeed moves them back to the device as labels)."""
+    if not lay.trimmed:
+        return torch.cat(logps).cpu()
+    N, T = lay.shape
+    out = logps[0].new_zeros(N, T - 1, device="cpu")
+    for lp, rows, (lo, hi) in zip(logps, lay.rows, lay.cols):
+        out[rows, lo:hi - 1] = lp.cpu()
+    return out
 
 
-def fit_shapes(p, batch: Rollout) -> None:
-    """Reset DeepSpeed's receive buffers on every rank when this pass's shapes differ from the last's."""
-    key = (batch.ids_NT.shape[1], shared_prompts.prompt_columns(batch.resp_NT1) if p.share_group else 0, p.codec.on)
-    if key != p.shape_key:
+@contextlib.contextmanager
+def shaped(p, batch: Rollout, lay: Layout):
+    """Run a pass of `lay` with DeepSpeed's buffers fit to it: dropped on every rank when the shapes
+    change (a padded pass of another length, prompt columns or codec on/off; any trimmed pass), and
+    its shape messages sent with every micro-batch while trimmed."""
+    key = None if lay.trimmed else (lay.shape[1], shared_prompts.prompt_columns(batch.resp_NT1) if p.share_group
+                                    else 0, p.codec.on)
+    if key is None or key != p.shape_key:
         p.engine.reset_activation_shape()
-        p.shape_key = key
+    p.shape_key = key
+    p.engine.dynamic_shape = lay.trimmed
+    try:
+        yield
+    finally:
+        p.engine.dynamic_shape = False
 
 
 def logprobs(p, batch: Rollout, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(target) of every sequence, (N, T−1), at the current weights or with `weights` swapped in
     (the reference policy); on the last stage, zeros elsewhere."""
-    fit_shapes(p, batch)
+    lay = plan(p, batch)
     z = torch.zeros_like(batch.resp_NT1)
-    data = iter(micro_batches(batch, p.micro, z, z, z, p.share_group))
-    with p.loss.running(_LogProbs(p.temperature)) as fn, swapped_weights(p.pipe, weights):
-        p.engine.eval_batch(data, num_micro_batches=batch.ids_NT.shape[0] // p.micro, bcast_loss=False)
-    return host_logprobs(fn.logps) if p.last_stage else z
+    data = iter(micro_batches(batch, lay, z, z, z, p.share_group))
+    with p.loss.running(_LogProbs(p.temperature)) as fn, swapped_weights(p.pipe, weights), shaped(p, batch, lay):
+        p.engine.eval_batch(data, num_micro_batches=len(lay.rows), bcast_loss=False)
+    return host_logprobs(fn.logps, lay) if p.last_stage else z
 
 
 def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, old_is_current: bool) -> Update:
     """One `train_batch` on this replica's part of a PPO mini-batch of `ntok` response tokens; the
     optimizer's pre-hooks (clip, sign correction) run inside it."""
-    fit_shapes(p, batch)
+    lay = plan(p, batch)
     w = batch.resp_NT1 / max(ntok, 1.0)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
-    with p.loss.running(loss), micro_batch_count(p.engine, batch.ids_NT.shape[0] // p.micro):
-        p.engine.train_batch(iter(micro_batches(batch, p.micro, w, old_NT1, ref_NT1, p.share_group)))
-    old = host_logprobs(loss.logps) if old_is_current and p.last_stage else None
+    with p.loss.running(loss), micro_batch_count(p.engine, len(lay.rows)), shaped(p, batch, lay):
+        p.engine.train_batch(iter(micro_batches(batch, lay, w, old_NT1, ref_NT1, p.share_group)))
+    old = host_logprobs(loss.logps, lay) if old_is_current and p.last_stage else None
     return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
 
 
@@ -146,12 +185,12 @@ def dense_gradient(p, batch: Rollout, ntok: float, ref_NT1, coefs: LossCoefs):
     over tied copies and data-parallel replicas but no optimizer step: the anchor's replay and the
     trainer's probe. → (HF name → gradient of every parameter this rank holds, loss metric sums);
     .grad is cleared after."""
-    fit_shapes(p, batch)
+    lay = plan(p, batch)
     w = batch.resp_NT1 / max(ntok, 1.0)
     z = torch.zeros_like(batch.resp_NT1)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current=True)
-    with p.loss.running(loss):
-        forward_backward(p.engine, micro_batches(batch, p.micro, w, z, ref_NT1, p.share_group))
+    with p.loss.running(loss), shaped(p, batch, lay):
+        forward_backward(p.engine, micro_batches(batch, lay, w, z, ref_NT1, p.share_group))
     grads = {n: q.grad.detach().float().clone() for n, q in p.pipe.hf_parameters_all().items()}
     for q in p.pipe.parameters():
         q.grad = None
