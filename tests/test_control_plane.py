@@ -50,16 +50,17 @@ def test_every_project_collective_goes_through_the_control_plane_on_a_backend_th
 
 def test_the_batch_goes_only_where_it_is_read_and_is_counted(anchored):
     """rollout/bytes: what the ranks received of the step's batch. Every rank gets the response mask
-    (float32, T − 1 targets), rewards, advantages (float32) and sample ids (int64): 4·T + 12 bytes a
-    row, 7 receivers; only the last stage (rank 0 is the first) also gets the ids and attention
-    (int64) and the sampler's log-probs (float32): 20·T − 4 bytes a row. So 48·T + 80 bytes a row of
-    64, against 7·(24·T + 8) had every rank received the whole batch (0.32 of it at this T = 12,
-    0.29 for long sequences). The evaluations carry each held-out prompt's score."""
+    (float32, T − 1 targets), rewards, advantages (float32), sample ids (int64) and each row's span
+    of real tokens (2 int64, the attention mask rebuilt from it): 4·T + 28 bytes a row, 7 receivers;
+    only the last stage (rank 0 is the first) also gets the ids (int64) and the sampler's log-probs
+    (float32): 12·T − 4 bytes a row. So 40·T + 192 bytes a row of 64, against 7·(24·T + 8) had every
+    rank received the whole batch (0.33 of it at this T of about 11, 0.24 for long sequences). The
+    evaluations carry each held-out prompt's score."""
     for r in rows(anchored):
         per_row = r["rollout/bytes"] / 64
-        T = (per_row - 80) / 48
+        T = (per_row - 192) / 40
         assert T == int(T) and T > 2, r["rollout/bytes"]
-        assert r["rollout/bytes"] == 64 * (48 * T + 80) < 0.33 * 64 * 7 * (24 * T + 8)
+        assert r["rollout/bytes"] == 64 * (40 * T + 192) < 0.34 * 64 * 7 * (24 * T + 8)
     for e in rows(anchored, "eval.jsonl"):
         assert len(e["scores"]) == e["n"] and set(e["scores"]) <= {"0", "1"}
         assert e["acc"] == e["scores"].count("1") / e["n"]
