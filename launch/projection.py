@@ -180,12 +180,13 @@ def parse(argv=None):
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--gpu-flops", type=float, default=989e12)
     ap.add_argument("--mfu", type=float, default=0.4)
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    a.n, a.resp = workload(a)    # the drawn batch's token slots a pass and response tokens
+    return a
 
 
 def main(argv=None) -> None:
     a = parse(argv)
-    a.n, a.resp = workload(a)
     seqs = a.prompts * a.samples
     print(f"{a.layout}: N = {a.n / 1e6:.2f} M token slots a pass ({a.n / seqs:.0f} a sequence), "
           f"{a.resp / 1e6:.2f} M response tokens ({a.resp / seqs:.0f} a sequence)\n")

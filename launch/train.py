@@ -52,6 +52,7 @@ def main(argv=None) -> None:
     require_tested_deepspeed(report=int(os.environ.get("RANK", "0")) == 0)
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from ds_twocircuit.pipeline import comm
     from ds_twocircuit.pipeline.engine import init_distributed
     from ds_twocircuit.model.weights import base_model_dir
     from ds_twocircuit.run import provenance
@@ -67,6 +68,7 @@ def main(argv=None) -> None:
     except TrainingStopped as e:   # every rank stops at the same step; one line says why
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+        comm.barrier()   # the launcher ends every rank at the first exit: rank 0's last row and line first
         exit_now(1)
     except RuntimeError as e:      # the ranks that waited time out together: the first of them says so
         reason = collective_timeout(e)

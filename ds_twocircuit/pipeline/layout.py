@@ -58,13 +58,13 @@ def trimmed_layout(span_N2: torch.Tensor, T: int, micro: int, group: int = 1) ->
 
 
 def choose_layout(span_N2: torch.Tensor, T: int, micro: int, group: int, cut_bytes: list[int], mode: str) -> Layout:
-    """The pass's layout under `mode` (auto | always | never). auto trims when the bytes the trim
+    """A batch's layout under `mode` (auto | always | never). auto trims when the bytes the trim
     saves on the cuts pay for DeepSpeed's shape messages:
 
         s = N·T − Σ_m rows_m · cols_m > 0   and   s · Σ_c b_c  ≥  M · n_cuts · SHAPE_MESSAGE
 
-    b_c = `cut_bytes`[c], a token slot's bytes on cut c in the pass's directions; M micro-batches
-    (a single stage has no cuts and trims whenever a slot is saved).
+    b_c = `cut_bytes`[c], a token slot's bytes on cut c (forward and back: a training pass's); M
+    micro-batches (a single stage has no cuts and trims whenever a slot is saved).
     A slot also costs compute on every stage, so where the bytes favour the padded layout the trim
     would have saved a few slots per micro-batch (1 KB / b_c: 3.3 at prf95's 308 bytes a training
     slot, 0.17 dense at d = 1536 in bf16)."""
