@@ -156,7 +156,7 @@ class Actor:
         w, whole, tr = counts.wire, counts.payload, counts.train()
         partials.update(telemetry.per_stage(telemetry.WIRE, p.stage, p.num_stages, "codec", [
             w.fwd, w.bwd, whole.payload, whole.dense, tr.grad, tr.dense, w.fwd_fp32, w.bwd_fp32]))
-        partials.update(telemetry.owned(telemetry.SLOTS, _slots(p, shards, len(updates)) if p.stage == 0 else None))
+        partials.update(telemetry.owned(telemetry.SLOTS, _slots(updates) if p.stage == 0 else None))
         partials.update(telemetry.per_stage(["peak_rss_mib"], p.stage, p.num_stages, "memory",
                                             [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
         return partials
@@ -173,11 +173,11 @@ def _loss_sums(updates: list[passes.Update], scale: list[float]) -> dict[str, to
     return {k: v / len(updates) for k, v in total.items()}
 
 
-def _slots(p, shards, updates: int) -> dict:
+def _slots(updates: list[passes.Update]) -> dict:
     """The update passes' token slots (counted once per replica, on its first stage): computed (rows
     × kept columns), what one padded length would have computed, and how many passes were trimmed
-    (pipeline/passes.py; every pass over a batch lays it out the same)."""
-    lays = [passes.plan(p, mb) for mb, _ in shards] * (updates // max(1, len(shards)))
+    (pipeline/layout.py)."""
+    lays = [u.layout for u in updates]
     return dict(zip(telemetry.SLOTS, (sum(x.positions() for x in lays), sum(x.shape[0] * x.shape[1] for x in lays),
                                       sum(x.trimmed for x in lays))))
 

@@ -31,7 +31,6 @@ START = ROOT.parent / "shared" / "models" / "wide-ws200-e2048"
 
 
 def worker(a) -> None:
-    import dataclasses
 
     import torch
     import torch.distributed as dist
@@ -78,12 +77,13 @@ def worker(a) -> None:
             rows.append({"layout": "trimmed" if mode == "always" else "padded", "repeat": rep, "seconds": seconds,
                          "bytes_fwd": float(sent[0]), "bytes_bwd": float(sent[1]),
                          "slots": lay.positions() * (2 if coefs.kl_coef > 0 else 1)})
-    auto = dataclasses.replace(p, trim="auto")
+    p.trim = "auto"
+    auto = passes.plan(p, batch)
     if dist.get_rank() == 0:
         real = int((span[:, 1] - span[:, 0]).sum())
         at_cap = int(((span[:, 1] - P) == a.cap).sum())
         pathlib.Path(a.result).write_text(json.dumps({
-            "rows": rows, "auto": "trimmed" if passes.plan(auto, batch).trimmed else "padded",
+            "rows": rows, "auto": "trimmed" if auto.trimmed else "padded",
             "sequences": len(span), "T": T, "real_tokens": real, "at_cap": at_cap,
             "micro": p.micro, "passes": 2 if coefs.kl_coef > 0 else 1}))
 

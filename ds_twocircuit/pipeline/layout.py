@@ -51,7 +51,7 @@ def trimmed_layout(span_N2: torch.Tensor, T: int, micro: int, group: int = 1) ->
     [min first, max last + 1) of its rows. span_N2: each row's real tokens [first, last + 1)."""
     g = max(1, group)
     longest = (span_N2[:, 1] - span_N2[:, 0]).view(-1, g).amax(1)
-    order = (torch.sort(longest, descending=True, stable=True).indices[:, None] * g + torch.arange(g)).reshape(-1)
+    order = (torch.sort(longest, descending=True, stable=True).indices[:, None] * g + torch.arange(g, device=span_N2.device)).reshape(-1)
     rows = list(order.split(micro))
     return Layout(rows, [(int(span_N2[r, 0].min()), int(span_N2[r, 1].max())) for r in rows],
                   (span_N2.shape[0], T), True)

@@ -99,6 +99,7 @@ class Update:
     sums: dict[str, torch.Tensor]    # loss metric sums over the micro-batches (last stage; empty elsewhere)
     old_logp: torch.Tensor | None    # on-policy: log π_old of the targets, (N, T−1) (last stage)
     grad_norm: float                 # the global gradient norm before clipping
+    layout: Layout                   # how its micro-batches were laid out (the same on every rank)
 
 
 def plan(p, batch: Rollout) -> Layout:
@@ -177,7 +178,7 @@ def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, o
     with p.loss.running(loss), micro_batch_count(p.engine, len(lay.rows)), shaped(p, batch, lay):
         p.engine.train_batch(iter(micro_batches(batch, lay, w, old_NT1, ref_NT1, p.share_group)))
     old = host_logprobs(loss.logps, lay) if old_is_current and p.last_stage else None
-    return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm())
+    return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm(), layout=lay)
 
 
 def dense_gradient(p, batch: Rollout, ntok: float, ref_NT1, coefs: LossCoefs):
