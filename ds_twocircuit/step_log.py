@@ -5,6 +5,7 @@ Rank 0 holds a `StepLog`; every other rank holds its do-nothing twin `NoStepLog`
 methods, so that the trainer calls them on every rank. The drift controller decides on rank 0; the
 trainer broadcasts its decisions (`dense_next`, `beta`), which the twin answers neutrally.
 """
+import collections
 import math
 import pathlib
 
@@ -36,6 +37,11 @@ class StepLog:
             for t in self.trends.values():
                 t.update(old)
         self.control_error = self.control.replay(logged, start) if self.control else ""
+        self.max_new_tokens = tc.grpo.max_new_tokens
+        self.clipped = collections.deque(maxlen=CUT_WINDOW)   # the last steps' response_length/clip_ratio
+        self.warned_cut = False
+        evals = self.logger.rows("eval.jsonl")      # a resumed run's earlier evaluations
+        self.last = {"reward": None, "held-out": evals[-1]["acc"] if evals else None}
 
     def record(self, row: dict) -> None:
         """The step's row, with its trends' slopes and the controller's outputs, to metrics.jsonl."""
@@ -46,9 +52,21 @@ class StepLog:
         if self.control:
             row.update(self.control.update(row))
         self.logger.log(row)
+        self.last["reward"] = row.get("critic/score/mean")
+        self.clipped.append(row.get("response_length/clip_ratio", 0.0))
+        if not self.warned_cut and responses_cut(self.clipped):
+            self.warned_cut = True
+            self.note(f"[warn] responses are being cut: {sum(self.clipped) / len(self.clipped):.0%} of the last "
+                      f"{len(self.clipped)} steps' responses stopped at grpo.max_new_tokens={self.max_new_tokens} "
+                      "without ending; raise grpo.max_new_tokens")
+
+    def postfix(self) -> str:
+        """The progress bar's postfix: the last step's mean reward and the last held-out accuracy."""
+        return ", ".join(f"{k} {v:.3f}" for k, v in self.last.items() if v is not None)
 
     def evaluation(self, step: int, result: dict) -> None:
         self.logger.log({"step": step, **result}, file="eval.jsonl")
+        self.last["held-out"] = result["acc"]
         tqdm.write(f"[eval] step {step}: held-out greedy accuracy {result['acc']:.3f} (n={result['n']})")
 
     def note(self, text: str) -> None:
@@ -66,6 +84,15 @@ class StepLog:
         self.logger.close()
 
 
+CUT_WINDOW, CUT_SHARE = 5, 0.5
+
+
+def responses_cut(clip_ratios, window: int = CUT_WINDOW, share: float = CUT_SHARE) -> bool:
+    """Whether more than `share` of the responses of the last `window` steps hit the length limit
+    (response_length/clip_ratio, averaged): rewards then score truncated answers."""
+    return len(clip_ratios) >= window and sum(list(clip_ratios)[-window:]) / window > share
+
+
 class NoStepLog:
     """StepLog's twin on the ranks that log nothing."""
     writes = False
@@ -79,6 +106,9 @@ class NoStepLog:
 
     def note(self, text: str) -> None:
         pass
+
+    def postfix(self) -> str:
+        return ""
 
     def dense_next(self) -> bool:
         return False

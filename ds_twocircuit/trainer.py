@@ -94,13 +94,15 @@ class Trainer:
         if self.start == 0:
             self.evaluate(0)
         streak = 0   # steps in a row skipped for non-finite values (the same on every rank)
-        for t in tqdm(range(self.start, steps), desc="grpo", initial=self.start, total=steps, disable=not self.log.writes):
+        bar = tqdm(range(self.start, steps), desc="grpo", initial=self.start, total=steps, disable=not self.log.writes)
+        for t in bar:
             row, verdict = self.step(t)
             streak = streak + 1 if verdict.skipped else 0
             if verdict.skipped:
                 self.log.note(f"[train] step {t + 1}: non-finite loss or gradient on stage(s) "
                               f"{sorted(verdict.stages) or '?'}: optimizer step skipped on every rank ({streak} in a row)")
             self.log.record(row)
+            bar.set_postfix_str(self.log.postfix(), refresh=False)
             if streak >= train.max_skipped_steps:
                 self.close()
                 raise TrainingStopped(f"{streak} steps in a row skipped for non-finite loss or gradient (stages "

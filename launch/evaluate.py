@@ -1,10 +1,13 @@
 """Evaluate an HF checkpoint on several benchmarks: greedy mean@1 and avg@k at a temperature.
 
-    python launch/evaluate.py --model runs/prf95/model [--ds-config ds_configs/prf95.json]
+    python launch/evaluate.py --run runs/prf95                 # a run: its config and its model/
+    python launch/evaluate.py --model DIR [--ds-config ds_configs/prf95.json]
         [--bench held_out] [--bench math500=HuggingFaceH4/MATH-500] [--bench aime=aime.jsonl:16]
         [--k 4] [--temperature 0.7] [--backend auto|hf|vllm] [--codec-budgets 0.05,0.25]
         [--out eval.json] [key=value ...]
 
+`--run RUN_DIR` reads the run's resolved config (model, data, split, template, lengths) from its
+config.yaml and evaluates its exported `model/`; `--model` and key=value overrides still apply.
 A benchmark is `held_out` (the recipe's own held-out set: the embedded task's, or
 `data.eval_dataset`) or NAME=SOURCE[:K], SOURCE a local .jsonl/.parquet file or a hub data set in
 the local HF cache with `problem` and `answer` (or MATH's `solution`) columns, scored by
@@ -27,8 +30,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF checkpoint directory (a run's model/ export) or hub name")
-    p.add_argument("--ds-config", default="ds_configs/prf95.json", help="recipe for prompts, lengths and the cuts")
+    p.add_argument("--run", default=None, help="a run directory: its config.yaml and its model/ export")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (a run's model/ export) or hub name")
+    p.add_argument("--ds-config", default=None, help="recipe for prompts, lengths and the cuts (without --run: "
+                   "ds_configs/prf95.json)")
     p.add_argument("--bench", action="append", default=None, help="held_out, or NAME=SOURCE[:K] (repeatable)")
     p.add_argument("--k", type=int, default=4, help="samples per problem for avg@k (0: greedy only)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of avg@k")
@@ -40,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. data.eval_size=256")
     args = p.parse_intermixed_args(argv)
     args.bench = args.bench or ["held_out"]
+    if args.run and args.ds_config:
+        p.error("--run reads the run's own config: leave out --ds-config (override keys as key=value)")
+    if not args.run and not args.model:
+        p.error("give --run RUN_DIR, or --model (with --ds-config)")
+    args.model = args.model or str(pathlib.Path(args.run) / "model")
     return args
 
 
@@ -156,8 +166,13 @@ def table(results: list[dict], temperature: float) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ds_twocircuit.config import load_or_exit, load_recipe
-    run = load_or_exit(load_recipe, args.ds_config, args.overrides)
+    from ds_twocircuit.config import load_or_exit, load_recipe, load_run
+    if args.run:
+        run = load_or_exit(load_run, pathlib.Path(args.run), args.overrides)
+    else:
+        run = load_or_exit(load_recipe, args.ds_config or "ds_configs/prf95.json", args.overrides)
+    if not pathlib.Path(args.model).is_dir() and args.run:
+        sys.exit(f"--run {args.run}: no exported model/ there yet (a run exports it at its end)")
     benchmark_specs(args.bench, args.k)                  # a bad --bench fails before any model loads
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))

@@ -1,11 +1,13 @@
 """Entry point: `deepspeed [--num_gpus N | --hostfile H] launch/train.py --ds-config FILE
-[--run-dir DIR] [--resume] [key=value ...]`; `python launch/train.py --help-config` lists our keys.
+[--run-dir DIR] [--resume | --overwrite] [key=value ...] [ds.KEY=value ...]`; `python launch/train.py
+--help-config` lists our keys; `ds.`-prefixed overrides set DeepSpeed's own (`ds.optimizer.params.lr=1e-5`).
 
-Parse and validate the whole config first (no process group yet, so a mistake costs seconds and
-prints one line), check that the installed DeepSpeed is the release the pipeline was tested with
-(one line too), make sure the base model exists (the embedded one is built once and cached), then
-start the process group, build the pipeline engine and train. A collective that waits longer than
-train.collective_timeout stops the run with one line.
+Parse and validate the whole config and its inputs first (no process group yet, so a mistake costs
+seconds and prints one line), refuse to write over an earlier run in the run dir (unless --resume or
+--overwrite), check that the installed DeepSpeed is the release the pipeline was tested with (one
+line too), make sure the base model exists (the embedded one is built once and cached), then start
+the process group, build the pipeline engine and train. A collective that waits longer than
+train.collective_timeout stops the run with one line; so does Ctrl-C, with the command to continue.
 """
 import argparse
 import os
@@ -16,18 +18,34 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # 8 ranks on a few cores: one thread each (see notes)
+RANK = int(os.environ.get("RANK", "0"))
 
+from ds_twocircuit.run import console  # noqa: E402
+console.quiet(RANK)                    # before the libraries that warn at import
+
+from ds_twocircuit.run import interrupt, run_dir as run_dirs  # noqa: E402
 from ds_twocircuit.run.checkpoint import verify_latest  # noqa: E402
 from ds_twocircuit.config import (REPORT_WAIT_S, check_resume, describe, load_config,  # noqa: E402  (light: no torch)
                                    load_or_exit)
 
 
+class QuietParser(argparse.ArgumentParser):
+    """argparse whose usage errors only rank 0 prints (the launcher ends the others)."""
+    def error(self, message):
+        if RANK == 0:
+            super().error(message)
+        time.sleep(REPORT_WAIT_S)
+        sys.exit(2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = QuietParser(description=__doc__.splitlines()[0])
     p.add_argument("--ds-config", help="DeepSpeed JSON with a 'twocircuit' block")
     p.add_argument("--help-config", action="store_true", help="list every twocircuit key with its default and meaning")
     p.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete the run dir's earlier run first (without this "
+                   "or --resume a run dir that holds a run is refused)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. train.steps=50")
     args = p.parse_intermixed_args(argv)   # key=value overrides may come before or after the options
@@ -42,14 +60,19 @@ def main(argv=None) -> None:
         print("The 'twocircuit' block of a DeepSpeed JSON; override any key on the command line as key=value.\n")
         print(describe())
         return
-    run = load_or_exit(load_config, args.ds_config, args.overrides, report=int(os.environ.get("RANK", "0")) == 0)
+    rank0 = RANK == 0
+    run = load_or_exit(load_config, args.ds_config, args.overrides, report=rank0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
+    load_or_exit(run_dirs.check_run_dir, run_dir, args.resume, args.overwrite, report=rank0)
     if args.resume:
-        load_or_exit(check_resume, run, run_dir, report=int(os.environ.get("RANK", "0")) == 0)
+        load_or_exit(check_resume, run, run_dir, report=rank0)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:   # each node checks the files it will read
             print(f"[resume] {load_or_exit(verify_latest, run_dir / 'checkpoints')}", flush=True)
+    require_tested_deepspeed(report=rank0)
+    if args.overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:   # before the rendezvous: no rank writes yet
+        load_or_exit(run_dirs.clear, run_dir, run.tc.anchor.mailbox, report=rank0)
+    interrupt.install(run_dir, sys.argv, report=rank0)
 
-    require_tested_deepspeed(report=int(os.environ.get("RANK", "0")) == 0)
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ds_twocircuit.pipeline import comm
@@ -59,14 +82,13 @@ def main(argv=None) -> None:
     from ds_twocircuit.trainer import Trainer, TrainingStopped
 
     model_dir = base_model_dir(run.tc)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
     start = load_or_exit(provenance.start_of, model_dir, report=rank0) if rank0 else None   # a corrupt start stops here
     timeout_s = run.tc.train.collective_timeout
     init_distributed(timeout_s)
     try:
         Trainer(run, run_dir, model_dir, resume=args.resume, start=start).run()
     except TrainingStopped as e:   # every rank stops at the same step; one line says why
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank0:
             print(f"{e.label}: {e}", file=sys.stderr, flush=True)
         comm.barrier()   # the launcher ends every rank at the first exit: rank 0's last row and line first
         exit_now(1)

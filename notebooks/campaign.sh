@@ -29,6 +29,8 @@ for name in "$@"; do
   codec_seed=(codec.seed="$seed")
   [ "$recipe" = dense ] && codec_seed=()    # the dense codec reads no key
   resume=()
+  # a run stopped before its first checkpoint starts over (commits that know --overwrite refuse a dir holding a run)
+  [ -d "$dir" ] && grep -q -- "--overwrite" "$tree/launch/train.py" && resume=(--overwrite)
   [ -f "$dir/checkpoints/latest" ] && resume=(--resume)
   echo "[campaign] $name: $cfg seed $seed from $start, $steps steps, code ${commit:0:8} ($(date -u +%H:%M))"
   (cd "$tree" && PYTHONPATH="$tree" deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py \

@@ -9,6 +9,8 @@ import pytest
 from conftest import FAIL_FAST_S, ROOT, TINY, free_port, rows
 from ds_twocircuit.config import ConfigError, check_resume, deepspeed_known_keys, load_config, write_run_config
 
+ROWS = ROOT / "tests" / "configs" / "rows.jsonl"     # two MATH-style rows
+
 
 def write(tmp_path, mutate):
     cfg = json.loads(TINY.read_text())
@@ -77,12 +79,28 @@ def write(tmp_path, mutate):
     (lambda c: c.update(curriculum_learning={"enabled": True}), [], "curriculum_learning: acts on DeepSpeed's dataloader"),
     (lambda c: c.update(elasticity={"enabled": True}), [], "elasticity: acts on DeepSpeed's dataloader"),
     # a key that nothing reads in this configuration (a shipped recipe has none: test_shipped_recipes_are_valid)
-    (lambda c: None, ["data.dataset=" + str(TINY), "data.split=validation"], "data.split is set but nothing reads it"),
+    (lambda c: None, ["data.dataset=" + str(ROWS), "data.split=validation"], "data.split is set but nothing reads it"),
     (lambda c: None, ["anchor.every=5"], "anchor.every is set but nothing reads it here: anchor.enabled=false"),
     (lambda c: None, ["codec.name=prf", "codec.fwd_bits=2"], "codec.fwd_bits is set but nothing reads it"),
     (lambda c: None, ["sampler.kv_cache_gib=2"], "only the vllm backend reads it"),
     (lambda c: c["twocircuit"]["model"].update(wide={"hidden_size": 64}), [], "model.wide.hidden_size is set"),
     (lambda c: c.update(wandb={"enabled": True}), [], "wandb.enabled with log.wandb=false"),
+    # the inputs: files, their columns, the model directory
+    (lambda c: None, ["data.dataset=/nonexistent/train.jsonl"], "data.dataset='/nonexistent/train.jsonl': no such file"),
+    (lambda c: None, ["data.dataset=" + str(ROWS), "data.eval_dataset=./no/test.parquet"],
+     "data.eval_dataset='./no/test.parquet': no such file"),
+    (lambda c: None, ["data.dataset=" + str(ROWS), "data.problem_key=question"], "no column 'question' (data.problem_key)"),
+    (lambda c: None, ["data.dataset=" + str(ROWS), "data.answer_key=final"], "no column 'final' (data.answer_key)"),
+    (lambda c: None, ["data.dataset=" + str(TINY)], "not a JSON object"),                  # a JSON config, not rows
+    (lambda c: None, ["data.dataset=nobody/no-such-data"], "hf download --repo-type dataset nobody/no-such-data"),
+    (lambda c: None, ["data.eval_dataset=" + str(ROWS)], "data.eval_dataset is set but nothing reads it"),
+    (lambda c: None, ["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such directory"),
+    (lambda c: None, ["model.path=" + str(ROOT / "tests")], "no config.json there"),
+    # a split that does not fit says which would; DeepSpeed keys on the command line go under ds.
+    (lambda c: None, ["model.layers_per_stage=[2,2,2,1,1,1]"], "model.layers_per_stage=[2,2,1,1,1,1]"),
+    (lambda c: None, ["optimizer.params.lr=1e-5"], "write ds.optimizer.params.lr=1e-5"),
+    (lambda c: None, ["ds.gradient_cliping=1.0"], "unknown top-level key 'gradient_cliping'"),
+    (lambda c: None, ["ds.pipeline.partition=uniform"], "pipeline.partition='uniform': the split is explicit"),
 ])
 def test_bad_config_names_the_key(tmp_path, mutate, overrides, needle):
     t0 = time.time()
@@ -146,6 +164,23 @@ def test_the_wide_embedded_model_sets_the_width_the_checks_see():
     assert run.tc.model.embedded_config() is run.tc.model.wide and run.tc.model.wide.hidden_size == 384
     with pytest.raises(ConfigError, match="codec.fwd_coords"):
         load_config(str(TINY), wide[2:], world_size=8)
+
+
+def test_deepspeed_keys_on_the_command_line_reach_the_engine_and_the_run_config(tmp_path):
+    run = load_config(str(TINY), ["ds.optimizer.params.lr=1e-5", "ds.gradient_clipping=0.5"], world_size=8)
+    assert run.ds["optimizer"]["params"]["lr"] == 1e-5 and run.ds["gradient_clipping"] == 0.5
+    write_run_config(run, tmp_path)
+    assert '"lr": 1e-05' in (tmp_path / "config.yaml").read_text() and '"gradient_clipping": 0.5' in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("world, split", [(8, [4, 4, 4, 4, 3, 3, 3, 3]), (16, [4, 4, 4, 4, 3, 3, 3, 3]),
+                                          (4, [7, 7, 7, 7]), (6, [5, 5, 5, 5, 4, 4]), (1, [28])])
+def test_an_unset_split_is_derived_from_the_layers_and_the_world(world, split):
+    """Not set: the 28-layer model over 8 ranks keeps the reference split; other worlds get the most
+    stages (<= 8) that divide them, the layers as even as possible; a set split is kept as given."""
+    assert load_config(str(ROOT / "ds_configs" / "prf95.json"), [], world_size=world).tc.model.layers_per_stage == split
+    given = load_config(str(ROOT / "ds_configs" / "prf95.json"), ["model.layers_per_stage=[14,14]"], world_size=4)
+    assert given.tc.model.layers_per_stage == [14, 14]
 
 
 def test_good_config_derives_batches():

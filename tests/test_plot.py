@@ -1,5 +1,6 @@
 """launch/plot_run.py draws every panel from the JSONL files alone (no torch, no DeepSpeed)."""
 import json
+import subprocess
 import sys
 
 import pytest
@@ -27,7 +28,6 @@ def fake_run(d, gap, probe_every=5, dense_every=0):
 
 
 def test_plot_overlays_runs_into_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     runs = [fake_run(tmp_path / "dense", 0.0), fake_run(tmp_path / "prf", 3.0, dense_every=7)]
     out = plot_run.plot(runs, tmp_path / "out.png", ["dense", "prf"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
@@ -59,3 +59,28 @@ def test_a_directory_without_metrics_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot_run.main([str(tmp_path), "-o", str(tmp_path / "x.png")])
     assert "no metrics.jsonl in" in capsys.readouterr().err
+
+
+def test_every_panel_has_units_one_legend_and_the_codec_views_say_so(tmp_path):
+    runs = [fake_run(tmp_path / "dense", 0.0), fake_run(tmp_path / "prf", 3.0, dense_every=7)]
+    fig = plot_run.figure(runs, ["dense", "prf"])
+    panels = list(zip(fig.axes, plot_run.PANELS))
+    assert sum(any(len(ln.get_xdata()) for ln in ax.lines) for ax, _ in panels) == 9      # two keys never logged
+    for ax, (key, *_) in panels:
+        assert ax.get_ylabel().strip(), key                                              # units, data or not
+        words = ax.get_title() + " ".join(t.get_text() for t in ax.texts)
+        assert (plot_run.CODEC_NOTE in words) == (key in plot_run.CODEC_VIEW), key
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+    assert [[t.get_text() for t in lg.get_texts()] for lg in legends] == [["dense", "prf"]]
+    host = legends[0].axes                       # one legend for all panels, not the first panel's
+    assert host is None or (host.get_visible() and not host.lines)
+    assert "probe panel" in fig.get_suptitle() and "codec" in fig.get_suptitle()
+    plot_run.pyplot().close(fig)
+
+
+def test_without_matplotlib_one_line_and_status_1(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, 'launch'); import plot_run; "
+            f"plot_run.main([{str(tmp_path)!r}])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and "pip install 'matplotlib>=3.8'" in r.stderr, r.stderr

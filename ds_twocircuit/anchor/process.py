@@ -28,10 +28,10 @@ class AnchorProcess:
         if self.device >= 0:
             env["CUDA_VISIBLE_DEVICES"] = str(self.device)
         env["DS_TWOCIRCUIT_ANCHOR_START"] = str(self.restarts)   # which start this is (run/faults.py)
-        log = open(self.root / "anchor.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox", str(self.root),
-                                      "--parent-pid", str(os.getpid())], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        with open(self.root / "anchor.log", "ab") as log:   # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "ds_twocircuit.anchor.worker", "--mailbox",
+                                          str(self.root), "--parent-pid", str(os.getpid())], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         (self.root / "anchor.pid").write_text(str(self.proc.pid))
 
     def restart_if_exited(self, held: int) -> bool:

@@ -6,6 +6,7 @@ overrides from the command line (OmegaConf dotlist) and validated strictly (chec
 deepspeed_keys.py). Everything here runs before any process group exists, so a wrong config fails
 in seconds with one line that names the key (`ConfigError`).
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -17,12 +18,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .checks import check_set_keys, validate
+from .checks import check_set_keys, resolve_split, validate
 from .deepspeed_keys import check_deepspeed_keys, check_sections, deepspeed_known_keys
 from .schema import (AnchorConfig, CodecConfig, ConfigError, ControlConfig, DataConfig, GRPOConfig, LogConfig,
                      ModelConfig, TinyModelConfig, TrainConfig, WideModelConfig, TwoCircuitConfig, describe)
 
-__all__ = ["RunConfig", "load_config", "load_or_exit", "check_resume", "write_run_config", "load_recipe",
+__all__ = ["RunConfig", "load_config", "load_run", "read_run_config", "config_from_dict", "load_or_exit", "check_resume", "write_run_config", "load_recipe",
            "merge_twocircuit", "to_yaml", "as_dict",
            "ConfigError", "describe", "check_deepspeed_keys", "deepspeed_known_keys", "TwoCircuitConfig",
            "ModelConfig", "TinyModelConfig", "WideModelConfig", "DataConfig", "GRPOConfig", "TrainConfig", "CodecConfig",
@@ -56,19 +57,69 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{ds_config_path}: not valid JSON ({e})") from None
+        raise ConfigError(f"{ds_config_path}: not valid JSON ({e}){_yaml_hint(ds_config_path)}") from None
+    return config_from_dict(raw, overrides, world_size, resolved)
+
+
+def _yaml_hint(path: str) -> str:
+    return " (a run's config.yaml: read it with --run RUN_DIR)" if str(path).endswith((".yaml", ".yml")) else ""
+
+
+def config_from_dict(raw: dict, overrides: list[str] = (), world_size: int | None = None,
+                     resolved: bool = False) -> RunConfig:
+    """load_config on a recipe already read: DeepSpeed's keys and the `twocircuit` block."""
+    raw = dict(raw)
     block = raw.pop("twocircuit", {})
-    tc = merge_twocircuit(block, list(overrides))
+    ours, theirs = split_overrides(overrides)
+    raw = merge_deepspeed(raw, theirs)
+    tc = merge_twocircuit(block, ours)
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    tc = resolve_split(tc, "model.layers_per_stage" in set(_flat(block)) | set(_keys(ours)), world_size)
     check_deepspeed_keys(raw)
     check_sections(raw, len(tc.model.layers_per_stage), tc.log.wandb)
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     validate(tc, raw, world_size)
     # a key is refused where it is set: the recipe's in the recipe's own configuration (an override
     # may switch a mode and leave some of them unread), an override's in the run's
     if not resolved:
-        check_set_keys(merge_twocircuit(block, []) if overrides else tc, set(_flat(block)))
-    check_set_keys(tc, {o.split("=", 1)[0].lstrip("+") for o in overrides})
+        check_set_keys(merge_twocircuit(block, []) if ours else tc, set(_flat(block)))
+    check_set_keys(tc, set(_keys(ours)))
     return RunConfig(tc=tc, ds=raw, world_size=world_size)
+
+
+DS_PREFIX = "ds."    # `ds.optimizer.params.lr=1e-5`: a DeepSpeed key on the command line
+
+
+def split_overrides(overrides) -> tuple[list[str], list[str]]:
+    """→ (our block's dotted overrides, DeepSpeed's without their `ds.` prefix). A DeepSpeed key
+    written without the prefix is refused with the spelling that works."""
+    ours, theirs = [], []
+    sections = {f.name for f in dataclasses.fields(TwoCircuitConfig)}
+    for o in overrides:
+        if o.startswith(DS_PREFIX):
+            theirs.append(o[len(DS_PREFIX):])
+            continue
+        head = o.split("=", 1)[0].lstrip("+").split(".")[0]
+        if head not in sections and head in deepspeed_known_keys():
+            raise ConfigError(f"{o.split('=', 1)[0]} is DeepSpeed's key, not one of the twocircuit block: write "
+                              f"{DS_PREFIX}{o}")
+        ours.append(o)
+    return ours, theirs
+
+
+def merge_deepspeed(raw: dict, overrides: list[str]) -> dict:
+    """DeepSpeed's dict with `key.sub=value` overrides applied (values typed as YAML reads them);
+    the result is checked as the file's own keys are."""
+    if not overrides:
+        return raw
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(overrides))
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"DeepSpeed override: {str(e).splitlines()[0]} ({', '.join(DS_PREFIX + o for o in overrides)})") from None
+    return OmegaConf.to_container(merged)
+
+
+def _keys(overrides) -> list[str]:
+    return [o.split("=", 1)[0].lstrip("+") for o in overrides]
 
 
 REPORT_WAIT_S = 30.0     # how long a rank that does not report waits to be stopped
@@ -109,11 +160,11 @@ def check_resume(run: RunConfig, run_dir: pathlib.Path) -> None:
         raise ConfigError(f"--resume: no checkpoint under {run_dir / 'checkpoints'} (no 'latest' file)")
     if not saved.is_file():
         raise ConfigError(f"--resume: {saved} is missing: cannot tell which config wrote this run")
-    try:   # as write_run_config wrote it
-        text, _, ds = saved.read_text().partition("\ndeepspeed: ")
-        before = _flat({**OmegaConf.to_container(OmegaConf.create(text)), "deepspeed": json.loads(ds)})
-    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"--resume: {saved} is unreadable ({str(e).splitlines()[0]})") from None
+    try:
+        raw = read_run_config(run_dir)
+    except ConfigError as e:
+        raise ConfigError(f"--resume: {saved} is unreadable ({str(e).partition('(')[2].rstrip(')')})") from None
+    before = _flat({**raw.pop("twocircuit"), "deepspeed": raw})
     now = _flat({**as_dict(run.tc), "deepspeed": run.ds})
     # a key newer than the run it resumes was unset then: its default is what that run did
     before = {**_flat(as_dict(TwoCircuitConfig())), **before}
@@ -124,6 +175,27 @@ def check_resume(run: RunConfig, run_dir: pathlib.Path) -> None:
         more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
         raise ConfigError(f"--resume into {run_dir}: written by another config: {pairs}{more}. Resume with the "
                           "same config and overrides, or start a new --run-dir")
+
+
+def read_run_config(run_dir: pathlib.Path) -> dict:
+    """The recipe a run was resolved to, as write_run_config wrote it: DeepSpeed's keys and the
+    whole `twocircuit` block. Raises ConfigError."""
+    saved = run_dir / "config.yaml"
+    try:
+        text, _, ds = saved.read_text().partition("\ndeepspeed: ")
+        return {**json.loads(ds), "twocircuit": OmegaConf.to_container(OmegaConf.create(text))}
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{saved}: not a run's config ({str(e).splitlines()[0]})") from None
+
+
+def load_run(run_dir: pathlib.Path, overrides: list[str] = ()) -> RunConfig:
+    """A finished or running run's config for one process beside it (evaluation): its resolved
+    recipe, validated at the run's own world size (its batch keys were derived for it), with
+    `overrides` applied."""
+    raw = read_run_config(run_dir)
+    dp = raw["train_batch_size"] // (raw["train_micro_batch_size_per_gpu"] * raw["gradient_accumulation_steps"])
+    n_stages = len(raw["twocircuit"]["model"]["layers_per_stage"])
+    return config_from_dict(raw, overrides, world_size=n_stages * dp, resolved=True)
 
 
 def _flat(tree, prefix: str = "") -> dict:
@@ -142,8 +214,10 @@ def load_recipe(ds_config_path: str, overrides: list[str] = (), resolved: bool =
     try:
         block = json.loads(pathlib.Path(ds_config_path).read_text()).get("twocircuit", {})
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--ds-config {ds_config_path}: {e}") from None
-    n_stages = len(merge_twocircuit(block, list(overrides)).model.layers_per_stage)
+        raise ConfigError(f"--ds-config {ds_config_path}: {e}{_yaml_hint(ds_config_path)}") from None
+    ours, _ = split_overrides(overrides)
+    given = "model.layers_per_stage" in set(_flat(block)) | set(_keys(ours))
+    n_stages = len(resolve_split(merge_twocircuit(block, ours), given, None).model.layers_per_stage)
     return load_config(ds_config_path, overrides, world_size=n_stages, resolved=resolved)
 
 

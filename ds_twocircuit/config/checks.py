@@ -12,6 +12,7 @@ import math
 import pathlib
 
 from ..codec.geometry import cut_layers, keep_count, levels_problem
+from .inputs import check_data, looks_like_path
 from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig, TwoCircuitConfig
 
 
@@ -24,12 +25,16 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
     n_layers = model_num_layers(tc.model)
     if sum(split) != n_layers:
+        even = str(even_split(n_layers, len(split))).replace(" ", "")
+        hint = (f" (leave the key out to split them evenly, or give e.g. model.layers_per_stage={even})"
+                if len(split) <= n_layers else "")
         raise ConfigError(f"model.layers_per_stage={split} sums to {sum(split)} but the model has {n_layers} "
-                          "decoder layers")
+                          f"decoder layers{hint}")
     if world_size % len(split):
         raise ConfigError(f"model.layers_per_stage has {len(split)} stages but the world size is "
                           f"{world_size} (it must be a multiple: stages x data-parallel replicas)")
     check_codec(tc.codec, split, model_hidden_size(tc.model))
+    check_data(tc.data)
     check_batches(tc, ds, world_size // len(split))
     g = tc.grpo
     if g.group_size < 2:
@@ -75,6 +80,30 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
                           "gradients, not fp16's master copies; use bf16")
     if ds.get("zero_optimization", {}).get("stage", 0) > 1:
         raise ConfigError("zero_optimization.stage > 1: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1")
+
+
+REFERENCE_STAGES = 8    # the product's pipeline: 28 layers as 4/4/4/4/3/3/3/3
+
+
+def even_split(n_layers: int, n_stages: int) -> list[int]:
+    """n_layers over n_stages as evenly as possible, the larger stages first (28 over 8: the
+    reference 4/4/4/4/3/3/3/3)."""
+    q, r = divmod(n_layers, n_stages)
+    return [q + 1] * r + [q] * (n_stages - r)
+
+
+def resolve_split(tc: TwoCircuitConfig, given: bool, world_size: int | None) -> TwoCircuitConfig:
+    """The config with its stage split: the one given (model.layers_per_stage set in the recipe or on
+    the command line), else the model's layers split evenly over the most stages, at most 8 and at
+    most one per layer, that divide the world size (any count when it is not known yet: one process
+    outside the trainer's world). 28 layers on 8 or 16 ranks: the reference 4/4/4/4/3/3/3/3."""
+    if given:
+        return tc
+    n_layers = model_num_layers(tc.model)
+    cap = min(REFERENCE_STAGES, n_layers)
+    stages = next(s for s in range(cap, 0, -1) if world_size is None or world_size % s == 0)
+    model = dataclasses.replace(tc.model, layers_per_stage=even_split(n_layers, stages))
+    return dataclasses.replace(tc, model=model)
 
 
 def check_fields(section, prefix: str = "") -> None:
@@ -245,7 +274,11 @@ def has_chat_template(model: ModelConfig) -> bool:
 
 
 def _hf_config_value(model: ModelConfig, key: str) -> int:
-    cfg_file = pathlib.Path(model.path) / "config.json"
+    cfg_file = pathlib.Path(model.path).expanduser() / "config.json"
+    if not cfg_file.is_file() and pathlib.Path(model.path).expanduser().exists():
+        raise ConfigError(f"model.path='{model.path}': no config.json there (an HF model directory has one)")
+    if not cfg_file.is_file() and looks_like_path(model.path):
+        raise ConfigError(f"model.path='{model.path}': no such directory")
     if not cfg_file.is_file():
         try:  # a hub name already in the local cache; a config check never waits on the network
             from huggingface_hub import hf_hub_download
@@ -291,6 +324,9 @@ def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
         out["data.eval_split"] = "the held-out rows are a local file or the synthetic task's own split"
     if d.dataset == "synthetic":
         out.update({f"data.{k}": "the synthetic task has its own columns" for k in ("problem_key", "answer_key")})
+        out["data.eval_dataset"] = "the synthetic task has its own held-out split (set data.dataset to train on rows)"
+        out.update({f"data.{k}": "the synthetic task is scored exactly, without math-verify"
+                    for k in ("verify_timeout", "verify_workers")})
     if tc.model.path:
         out.update({f"model.{k}": "model.path is set: no embedded model is built" for k in ("tiny", "wide", "embedded")})
     else:

@@ -56,7 +56,9 @@ class ModelConfig:
     """The causal LM and its split into pipeline stages."""
     path: str = opt("", "HF checkpoint directory or hub name (from the local cache); empty: the embedded base model")
     layers_per_stage: list[int] = opt([4, 4, 4, 4, 3, 3, 3, 3], "decoder layers of each pipeline stage; its "
-                                      "length is the number of stages, its sum the model's layer count")
+                                      "length is the number of stages, its sum the model's layer count. Not set: "
+                                      "the model's layers as evenly as possible over up to 8 stages that divide the "
+                                      "world size (this default for 28 layers on 8 ranks)")
     attn_implementation: str = opt("sdpa", "HF attention implementation")
     embedded: str = opt("tiny", "the embedded base model built when `model.path` is empty: 'tiny' (model.tiny, "
                         "the default, minutes to build) or 'wide' (model.wide, the benchmark tier)")

@@ -20,6 +20,7 @@ import collections
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import time
 
 from .verify import math_answer
@@ -36,7 +37,9 @@ def clip_response(response: str, max_chars: int) -> str:
 
 
 def _serve(conn, inner_s: int | None) -> None:
-    """The helper's loop: (response, answer) in, score out; ends when the trainer's end closes."""
+    """The helper's loop: (response, answer) in, score out; ends when the trainer's end closes
+    (so a Ctrl-C, which reaches it too, is left to the trainer: no traceback from here)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import math_verify  # noqa: F401  (loaded once, before the first answer's clock starts)
     conn.send("ready")
     while True:

@@ -9,6 +9,7 @@ loss, and most passes here are log-prob passes.)
 import json
 import os
 import pathlib
+import uuid
 
 
 class RunLogger:
@@ -16,15 +17,18 @@ class RunLogger:
 
     def __init__(self, run_dir: pathlib.Path, config: dict, use_wandb: bool, project: str, resume_step: int | None):
         self.run_dir = run_dir
+        # a resumed run replays the steps after its checkpoint, bit for bit: wandb keeps the ones it
+        # has (its steps only grow) and gets the rows after them
+        self.wandb_after = max((r["step"] for r in self.rows()), default=-1) if resume_step is not None else -1
         for name in ("metrics.jsonl", "eval.jsonl"):
             _truncate_after(run_dir / name, resume_step)
-        self.wandb = _start_wandb(run_dir, config, project) if use_wandb else None
+        self.wandb = _start_wandb(run_dir, config, project, resume_step is not None) if use_wandb else None
         self.monitor = _deepspeed_monitors(config)
 
     def log(self, row: dict, file: str = "metrics.jsonl") -> None:
         with open(self.run_dir / file, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:   # numbers only: the per-prompt scores stay in the file
+        if self.wandb is not None and row["step"] > self.wandb_after:   # numbers only: per-prompt scores stay in the file
             self.wandb.log({(f"eval/{k}" if file == "eval.jsonl" and k != "step" else k): v
                             for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
         if self.monitor is not None:
@@ -51,14 +55,21 @@ def _truncate_after(path: pathlib.Path, resume_step: int | None) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
-def _start_wandb(run_dir: pathlib.Path, config: dict, project: str):
+def _start_wandb(run_dir: pathlib.Path, config: dict, project: str, resume: bool):
+    """wandb's run for this run dir: online when the user is logged in (or WANDB_MODE says so), else
+    offline; a resumed run continues the wandb run its start created (the id kept in wandb/run_id)."""
     import wandb
     mode = os.environ.get("WANDB_MODE")
     if mode is None:
-        mode = "online" if wandb.api.api_key else "offline"
+        mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
+    id_file = run_dir / "wandb" / "run_id"
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else uuid.uuid4().hex[:8]
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
     ds = config.get("wandb", {}) if config.get("wandb", {}).get("enabled") else {}
     return wandb.init(project=ds.get("project", project), group=ds.get("group"), entity=ds.get("team"),
-                      dir=str(run_dir), config=config, mode=mode, name=run_dir.name)
+                      dir=str(run_dir), config=config, mode=mode, name=run_dir.name, id=run_id, resume="allow",
+                      settings=wandb.Settings(quiet=True))   # no summary table at exit: metrics.jsonl has it
 
 
 def _deepspeed_monitors(config: dict):
