@@ -49,6 +49,7 @@ def parse_args(argv=None):
         p.error("--run reads the run's own config: leave out --ds-config (override keys as key=value)")
     if not args.run and not args.model:
         p.error("give --run RUN_DIR, or --model (with --ds-config)")
+    args.exported = not args.model       # --run's own model/, which must exist
     args.model = args.model or str(pathlib.Path(args.run) / "model")
     return args
 
@@ -171,7 +172,7 @@ def main(argv=None) -> None:
         run = load_or_exit(load_run, pathlib.Path(args.run), args.overrides)
     else:
         run = load_or_exit(load_recipe, args.ds_config or "ds_configs/prf95.json", args.overrides)
-    if not pathlib.Path(args.model).is_dir() and args.run:
+    if args.run and args.exported and not pathlib.Path(args.model).is_dir():
         sys.exit(f"--run {args.run}: no exported model/ there yet (a run exports it at its end)")
     benchmark_specs(args.bench, args.k)                  # a bad --bench fails before any model loads
     import torch

@@ -26,7 +26,11 @@ import argparse
 import json
 import resource
 import subprocess
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from ds_twocircuit.config.checks import REFERENCE_STAGES, even_split  # noqa: E402  (light: no torch)
 
 GiB = 2 ** 30
 # Qwen2.5-Math-1.5B's config.json (the recipe's model.path), so the plan runs without a download
@@ -81,7 +85,7 @@ def measured(what: str, tokens: int) -> float:
 
 def plan(ds: dict, layer_gib_per_token: float, head_gib: float, gpu_gib: float, anchor_own: bool) -> list[tuple]:
     tc, c = ds["twocircuit"], QWEN_1P5B
-    split = tc["model"]["layers_per_stage"]
+    split = tc["model"].get("layers_per_stage") or even_split(c["num_hidden_layers"], REFERENCE_STAGES)   # as derived on 8 ranks
     S, d, V = len(split), c["hidden_size"], c["vocab_size"]
     micro = ds["train_micro_batch_size_per_gpu"]
     tokens = micro * (tc["data"]["max_prompt_len"] + tc["grpo"]["max_new_tokens"])

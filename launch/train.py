@@ -61,16 +61,19 @@ def main(argv=None) -> None:
         print(describe())
         return
     rank0 = RANK == 0
-    run = load_or_exit(load_config, args.ds_config, args.overrides, report=rank0)
+    # each node's first rank reports what it finds (its files may differ from another node's); one
+    # node: one line. Only rank 0 reads the data, so only it checks the data files.
+    local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    run = load_or_exit(load_config, args.ds_config, args.overrides, None, False, rank0, report=local0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
-    load_or_exit(run_dirs.check_run_dir, run_dir, args.resume, args.overwrite, report=rank0)
+    load_or_exit(run_dirs.check_run_dir, run_dir, args.resume, args.overwrite, report=local0)
     if args.resume:
-        load_or_exit(check_resume, run, run_dir, report=rank0)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:   # each node checks the files it will read
+        load_or_exit(check_resume, run, run_dir, report=local0)
+        if local0:   # each node checks the files it will read
             print(f"[resume] {load_or_exit(verify_latest, run_dir / 'checkpoints')}", flush=True)
     require_tested_deepspeed(report=rank0)
-    if args.overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:   # before the rendezvous: no rank writes yet
-        load_or_exit(run_dirs.clear, run_dir, run.tc.anchor.mailbox, report=rank0)
+    if args.overwrite and local0:   # before the rendezvous: no rank writes yet
+        load_or_exit(run_dirs.clear, run_dir, report=True)
     interrupt.install(run_dir, sys.argv, report=rank0)
 
     import torch

@@ -94,10 +94,11 @@ def write(tmp_path, mutate):
     (lambda c: None, ["data.dataset=" + str(TINY)], "not a JSON object"),                  # a JSON config, not rows
     (lambda c: None, ["data.dataset=nobody/no-such-data"], "hf download --repo-type dataset nobody/no-such-data"),
     (lambda c: None, ["data.eval_dataset=" + str(ROWS)], "data.eval_dataset is set but nothing reads it"),
+    (lambda c: None, ["data.dataset=~/no-rows.jsonl"], "data.dataset='~/no-rows.jsonl': no such file"),   # as the loader opens it
     (lambda c: None, ["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such directory"),
     (lambda c: None, ["model.path=" + str(ROOT / "tests")], "no config.json there"),
     # a split that does not fit says which would; DeepSpeed keys on the command line go under ds.
-    (lambda c: None, ["model.layers_per_stage=[2,2,2,1,1,1]"], "model.layers_per_stage=[2,2,1,1,1,1]"),
+    (lambda c: None, ["model.layers_per_stage=[2,2,2,1,1,1]"], "evenly: model.layers_per_stage=[1,1,1,1,1,1,1,1] on 8 ranks"),
     (lambda c: None, ["optimizer.params.lr=1e-5"], "write ds.optimizer.params.lr=1e-5"),
     (lambda c: None, ["ds.gradient_cliping=1.0"], "unknown top-level key 'gradient_cliping'"),
     (lambda c: None, ["ds.pipeline.partition=uniform"], "pipeline.partition='uniform': the split is explicit"),
@@ -181,6 +182,8 @@ def test_an_unset_split_is_derived_from_the_layers_and_the_world(world, split):
     assert load_config(str(ROOT / "ds_configs" / "prf95.json"), [], world_size=world).tc.model.layers_per_stage == split
     given = load_config(str(ROOT / "ds_configs" / "prf95.json"), ["model.layers_per_stage=[14,14]"], world_size=4)
     assert given.tc.model.layers_per_stage == [14, 14]
+    from ds_twocircuit.config import load_recipe              # one process beside the run: a replica's stages
+    assert load_recipe(str(ROOT / "ds_configs" / "prf95.json")).world_size == 8
 
 
 def test_good_config_derives_batches():

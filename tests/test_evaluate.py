@@ -40,16 +40,20 @@ def test_several_benchmarks_in_one_call_on_the_user_fixtures(fixtures, tmp_path)
     assert bad.returncode != 0 and "--bench nothing-here: expected held_out or NAME=SOURCE[:K]" in bad.stderr
 
 
-def test_a_run_is_evaluated_from_its_own_config(eight, tmp_path):
+def test_a_run_is_evaluated_from_its_own_config(eight, tiny_model, tmp_path):
     """`--run RUN_DIR` reads the run's config.yaml (model, data, split, lengths) and its model/: the
     held-out greedy accuracy is the one the run logged at its last step with the sampler's final
-    weights (the export is those weights: test_user_path). Its config.yaml as --ds-config is refused
-    with the way to read it."""
+    weights (the export is those weights: test_user_path); with `--model` the base model, it is the
+    one the run logged at step 0. Its config.yaml as --ds-config is refused with the way to read it."""
     out = tmp_path / "eval.json"
     p = evaluate("--run", eight, "--k", 0, "--backend", "hf", "--out", out)
     assert p.returncode == 0, p.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
     last = json.loads((eight / "eval.jsonl").read_text().splitlines()[-1])
     assert r["n"] == last["n"] and r["mean@1"] == pytest.approx(last["acc"], abs=1e-12)
+    base = evaluate("--run", eight, "--model", tiny_model, "--k", 0, "--backend", "hf", "--out", tmp_path / "base.json")
+    assert base.returncode == 0, base.stderr[-3000:]
+    first = json.loads((eight / "eval.jsonl").read_text().splitlines()[0])
+    assert json.loads((tmp_path / "base.json").read_text())["results"][0]["mean@1"] == pytest.approx(first["acc"], abs=1e-12)
     bad = evaluate("--model", eight / "model", "--ds-config", eight / "config.yaml", timeout=60)
     assert bad.returncode == 2 and "read it with --run RUN_DIR" in bad.stderr, bad.stderr

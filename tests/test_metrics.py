@@ -37,24 +37,39 @@ def test_responses_cut_reads_the_last_steps_clip_ratios():
     assert not responses_cut([0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5])   # exactly half is not "more than half"
 
 
-def test_a_resumed_run_continues_its_wandb_run_without_the_replayed_steps(tmp_path, monkeypatch):
-    """Offline wandb: the resumed logger opens the same run id, and gives wandb only the steps after
-    the last one the interrupted run logged (the replayed ones are bit-identical, and wandb's steps
-    only grow); metrics.jsonl gets every row again."""
-    pytest.importorskip("wandb")
+class FakeWandbRun:
+    """What RunLogger reads of a wandb run: a resumed online run that had logged steps 1-3."""
+    def __init__(self, id, resume, **_):
+        self.id, self.resumed = id, resume == "allow"
+        self.starting_step = 4 if self.resumed else 0
+        self.sent = []
+
+    def log(self, row, step):
+        self.sent.append(step)
+
+    def finish(self):
+        pass
+
+
+def test_a_resumed_run_continues_its_online_wandb_run_without_the_replayed_steps(tmp_path, monkeypatch):
+    """Online: the resumed logger opens the run id its start wrote and gives wandb only the steps from
+    the run's next one (the replayed ones are bit-identical, and wandb's steps only grow);
+    metrics.jsonl gets every row again. Offline: each start is its own wandb run, sent every row."""
+    wandb = pytest.importorskip("wandb")
     from ds_twocircuit.metrics.logger import RunLogger
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(wandb, "init", lambda **kw: FakeWandbRun(**kw))
+    monkeypatch.setenv("WANDB_MODE", "online")
     first = RunLogger(tmp_path, {}, True, "test", None)
     for t in (1, 2, 3):
         first.log({"step": t, "x": float(t)})
     first.close()
     run_id = (tmp_path / "wandb" / "run_id").read_text()
     again = RunLogger(tmp_path, {}, True, "test", 3)         # resumed from the checkpoint after step 2
-    assert (tmp_path / "wandb" / "run_id").read_text() == run_id and again.wandb.id == run_id
-    sent = []
-    monkeypatch.setattr(again.wandb, "log", lambda row, step: sent.append(step))
+    assert again.wandb.id == run_id and again.wandb.resumed
     for t in (3, 4):
         again.log({"step": t, "x": float(t)})
-    again.close()
-    assert sent == [4] and [r["step"] for r in again.rows()] == [1, 2, 3, 4]
+    assert again.wandb.sent == [4] and [r["step"] for r in again.rows()] == [1, 2, 3, 4]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    offline = RunLogger(tmp_path, {}, True, "test", 3)
+    offline.log({"step": 3, "x": 3.0})
+    assert offline.wandb.id != run_id and offline.wandb.sent == [3]

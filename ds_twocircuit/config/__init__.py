@@ -47,7 +47,7 @@ class RunConfig:
 
 
 def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int | None = None,
-                resolved: bool = False) -> RunConfig:
+                resolved: bool = False, read_data: bool = True) -> RunConfig:
     """Read the JSON, apply dotlist overrides, validate everything. Raises ConfigError. `resolved`:
     the file is a run's whole resolved config (the anchor's copy), whose every key is written out,
     so keys nothing reads are not refused again (the run that wrote it was checked as the user set it)."""
@@ -58,7 +58,7 @@ def load_config(ds_config_path: str, overrides: list[str] = (), world_size: int 
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{ds_config_path}: not valid JSON ({e}){_yaml_hint(ds_config_path)}") from None
-    return config_from_dict(raw, overrides, world_size, resolved)
+    return config_from_dict(raw, overrides, world_size, resolved, read_data)
 
 
 def _yaml_hint(path: str) -> str:
@@ -66,8 +66,10 @@ def _yaml_hint(path: str) -> str:
 
 
 def config_from_dict(raw: dict, overrides: list[str] = (), world_size: int | None = None,
-                     resolved: bool = False) -> RunConfig:
-    """load_config on a recipe already read: DeepSpeed's keys and the `twocircuit` block."""
+                     resolved: bool = False, read_data: bool = True) -> RunConfig:
+    """load_config on a recipe already read: DeepSpeed's keys and the `twocircuit` block.
+    `read_data`: this process reads the data set, so its files are checked (only global rank 0 of a
+    launch does)."""
     raw = dict(raw)
     block = raw.pop("twocircuit", {})
     ours, theirs = split_overrides(overrides)
@@ -77,7 +79,7 @@ def config_from_dict(raw: dict, overrides: list[str] = (), world_size: int | Non
     tc = resolve_split(tc, "model.layers_per_stage" in set(_flat(block)) | set(_keys(ours)), world_size)
     check_deepspeed_keys(raw)
     check_sections(raw, len(tc.model.layers_per_stage), tc.log.wandb)
-    validate(tc, raw, world_size)
+    validate(tc, raw, world_size, read_data)
     # a key is refused where it is set: the recipe's in the recipe's own configuration (an override
     # may switch a mode and leave some of them unread), an override's in the run's
     if not resolved:
@@ -161,9 +163,9 @@ def check_resume(run: RunConfig, run_dir: pathlib.Path) -> None:
     if not saved.is_file():
         raise ConfigError(f"--resume: {saved} is missing: cannot tell which config wrote this run")
     try:
-        raw = read_run_config(run_dir)
-    except ConfigError as e:
-        raise ConfigError(f"--resume: {saved} is unreadable ({str(e).partition('(')[2].rstrip(')')})") from None
+        raw = _parse_run_config(saved)
+    except RUN_CONFIG_ERRORS as e:
+        raise ConfigError(f"--resume: {saved} is unreadable ({str(e).splitlines()[0]})") from None
     before = _flat({**raw.pop("twocircuit"), "deepspeed": raw})
     now = _flat({**as_dict(run.tc), "deepspeed": run.ds})
     # a key newer than the run it resumes was unset then: its default is what that run did
@@ -182,10 +184,17 @@ def read_run_config(run_dir: pathlib.Path) -> dict:
     whole `twocircuit` block. Raises ConfigError."""
     saved = run_dir / "config.yaml"
     try:
-        text, _, ds = saved.read_text().partition("\ndeepspeed: ")
-        return {**json.loads(ds), "twocircuit": OmegaConf.to_container(OmegaConf.create(text))}
-    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
+        return _parse_run_config(saved)
+    except RUN_CONFIG_ERRORS as e:
         raise ConfigError(f"{saved}: not a run's config ({str(e).splitlines()[0]})") from None
+
+
+RUN_CONFIG_ERRORS = (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError)
+
+
+def _parse_run_config(saved: pathlib.Path) -> dict:
+    text, _, ds = saved.read_text().partition("\ndeepspeed: ")
+    return {**json.loads(ds), "twocircuit": OmegaConf.to_container(OmegaConf.create(text))}
 
 
 def load_run(run_dir: pathlib.Path, overrides: list[str] = ()) -> RunConfig:

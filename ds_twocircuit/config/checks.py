@@ -16,7 +16,9 @@ from .inputs import check_data, looks_like_path
 from .schema import CODECS, AnchorConfig, CodecConfig, ConfigError, ModelConfig, TwoCircuitConfig
 
 
-def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
+def validate(tc: TwoCircuitConfig, ds: dict, world_size: int, read_data: bool = True) -> None:
+    """Every check; `read_data`: this process reads the data (global rank 0, or a process of its own),
+    so the data files are checked here (another node need not have them)."""
     check_fields(tc)
     if tc.model.embedded not in ("tiny", "wide"):
         raise ConfigError(f"model.embedded='{tc.model.embedded}': 'tiny' or 'wide'")
@@ -25,16 +27,16 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int) -> None:
         raise ConfigError(f"model.layers_per_stage={split}: every stage needs at least one decoder layer")
     n_layers = model_num_layers(tc.model)
     if sum(split) != n_layers:
-        even = str(even_split(n_layers, len(split))).replace(" ", "")
-        hint = (f" (leave the key out to split them evenly, or give e.g. model.layers_per_stage={even})"
-                if len(split) <= n_layers else "")
+        even = str(even_split(n_layers, stage_count(n_layers, world_size))).replace(" ", "")
+        hint = f" (leave the key out to split them evenly: model.layers_per_stage={even} on {world_size} ranks)"
         raise ConfigError(f"model.layers_per_stage={split} sums to {sum(split)} but the model has {n_layers} "
                           f"decoder layers{hint}")
     if world_size % len(split):
         raise ConfigError(f"model.layers_per_stage has {len(split)} stages but the world size is "
                           f"{world_size} (it must be a multiple: stages x data-parallel replicas)")
     check_codec(tc.codec, split, model_hidden_size(tc.model))
-    check_data(tc.data)
+    if read_data:
+        check_data(tc.data)
     check_batches(tc, ds, world_size // len(split))
     g = tc.grpo
     if g.group_size < 2:
@@ -92,6 +94,13 @@ def even_split(n_layers: int, n_stages: int) -> list[int]:
     return [q + 1] * r + [q] * (n_stages - r)
 
 
+def stage_count(n_layers: int, world_size: int | None) -> int:
+    """The most stages, at most 8 and at most one per layer, that divide the world size (any count
+    when it is not known)."""
+    cap = min(REFERENCE_STAGES, n_layers)
+    return next(s for s in range(cap, 0, -1) if world_size is None or world_size % s == 0)
+
+
 def resolve_split(tc: TwoCircuitConfig, given: bool, world_size: int | None) -> TwoCircuitConfig:
     """The config with its stage split: the one given (model.layers_per_stage set in the recipe or on
     the command line), else the model's layers split evenly over the most stages, at most 8 and at
@@ -100,9 +109,7 @@ def resolve_split(tc: TwoCircuitConfig, given: bool, world_size: int | None) -> 
     if given:
         return tc
     n_layers = model_num_layers(tc.model)
-    cap = min(REFERENCE_STAGES, n_layers)
-    stages = next(s for s in range(cap, 0, -1) if world_size is None or world_size % s == 0)
-    model = dataclasses.replace(tc.model, layers_per_stage=even_split(n_layers, stages))
+    model = dataclasses.replace(tc.model, layers_per_stage=even_split(n_layers, stage_count(n_layers, world_size)))
     return dataclasses.replace(tc, model=model)
 
 
@@ -274,8 +281,8 @@ def has_chat_template(model: ModelConfig) -> bool:
 
 
 def _hf_config_value(model: ModelConfig, key: str) -> int:
-    cfg_file = pathlib.Path(model.path).expanduser() / "config.json"
-    if not cfg_file.is_file() and pathlib.Path(model.path).expanduser().exists():
+    cfg_file = pathlib.Path(model.path) / "config.json"
+    if not cfg_file.is_file() and pathlib.Path(model.path).exists():
         raise ConfigError(f"model.path='{model.path}': no config.json there (an HF model directory has one)")
     if not cfg_file.is_file() and looks_like_path(model.path):
         raise ConfigError(f"model.path='{model.path}': no such directory")
@@ -325,8 +332,6 @@ def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
     if d.dataset == "synthetic":
         out.update({f"data.{k}": "the synthetic task has its own columns" for k in ("problem_key", "answer_key")})
         out["data.eval_dataset"] = "the synthetic task has its own held-out split (set data.dataset to train on rows)"
-        out.update({f"data.{k}": "the synthetic task is scored exactly, without math-verify"
-                    for k in ("verify_timeout", "verify_workers")})
     if tc.model.path:
         out.update({f"model.{k}": "model.path is set: no embedded model is built" for k in ("tiny", "wide", "embedded")})
     else:

@@ -26,7 +26,7 @@ def check_data(d: DataConfig) -> None:
 
 def check_source(key: str, source: str, d: DataConfig) -> None:
     """One data source: its files exist and their first row has the problem and answer columns."""
-    path = pathlib.Path(source).expanduser()
+    path = pathlib.Path(source)         # as data/math_rows.py opens it: no `~` expansion
     if path.exists():
         columns = first_row_columns(key, source, data_files(key, source, path))
         if columns is not None:

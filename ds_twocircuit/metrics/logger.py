@@ -17,12 +17,12 @@ class RunLogger:
 
     def __init__(self, run_dir: pathlib.Path, config: dict, use_wandb: bool, project: str, resume_step: int | None):
         self.run_dir = run_dir
-        # a resumed run replays the steps after its checkpoint, bit for bit: wandb keeps the ones it
-        # has (its steps only grow) and gets the rows after them
-        self.wandb_after = max((r["step"] for r in self.rows()), default=-1) if resume_step is not None else -1
         for name in ("metrics.jsonl", "eval.jsonl"):
             _truncate_after(run_dir / name, resume_step)
         self.wandb = _start_wandb(run_dir, config, project, resume_step is not None) if use_wandb else None
+        # a resumed run replays the steps after its checkpoint, bit for bit: a wandb run it continues
+        # keeps the ones it has (its steps only grow) and gets the rows from its next step on
+        self.wandb_after = self.wandb.starting_step - 1 if self.wandb is not None and self.wandb.resumed else -1
         self.monitor = _deepspeed_monitors(config)
 
     def log(self, row: dict, file: str = "metrics.jsonl") -> None:
@@ -57,19 +57,23 @@ def _truncate_after(path: pathlib.Path, resume_step: int | None) -> None:
 
 def _start_wandb(run_dir: pathlib.Path, config: dict, project: str, resume: bool):
     """wandb's run for this run dir: online when the user is logged in (or WANDB_MODE says so), else
-    offline; a resumed run continues the wandb run its start created (the id kept in wandb/run_id)."""
+    offline. Online, a resumed run continues the wandb run its start created (the id kept in
+    wandb/run_id). Offline each start is its own wandb run: wandb cannot append one offline run to
+    another (syncing two of one id keeps one of them)."""
     import wandb
     mode = os.environ.get("WANDB_MODE")
     if mode is None:
         mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
     id_file = run_dir / "wandb" / "run_id"
-    run_id = id_file.read_text().strip() if resume and id_file.is_file() else uuid.uuid4().hex[:8]
+    again = resume and mode == "online" and id_file.is_file()
+    run_id = id_file.read_text().strip() if again else uuid.uuid4().hex[:8]
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id)
     ds = config.get("wandb", {}) if config.get("wandb", {}).get("enabled") else {}
     return wandb.init(project=ds.get("project", project), group=ds.get("group"), entity=ds.get("team"),
-                      dir=str(run_dir), config=config, mode=mode, name=run_dir.name, id=run_id, resume="allow",
-                      settings=wandb.Settings(quiet=True))   # no summary table at exit: metrics.jsonl has it
+                      dir=str(run_dir), config=config, mode=mode, name=run_dir.name, id=run_id,
+                      resume="allow" if again else None,
+                      settings=wandb.Settings(quiet=True))   # no summary table at exit (metrics.jsonl has it)
 
 
 def _deepspeed_monitors(config: dict):

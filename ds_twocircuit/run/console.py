@@ -3,7 +3,9 @@
 Every rank of a launch imports the same libraries and meets the same warnings, so the console
 repeats each of them eight times (DeepSpeed's accelerator probe, PyTorch's and transformers'
 warnings), with a source line under each. Rank 0 prints each distinct warning once, on one line;
-the other ranks print errors only. Set before the libraries are imported: some warn at import.
+the other ranks print errors only (so a warning only another stage meets goes unseen: a
+PYTHONWARNINGS the user sets turns all of this off). Set before the libraries are imported: some
+warn at import.
 """
 import logging
 import os
@@ -11,6 +13,10 @@ import warnings
 
 
 def quiet(rank: int) -> None:
+    """As above; a PYTHONWARNINGS the user set is left to act instead (on every rank: a warning
+    only another stage meets is otherwise not shown)."""
+    if os.environ.get("PYTHONWARNINGS"):
+        return
     if rank != 0:
         warnings.simplefilter("ignore")
         logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)

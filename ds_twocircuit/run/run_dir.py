@@ -3,7 +3,7 @@
 A run writes config.yaml, metrics.jsonl, eval.jsonl, provenance.json, checkpoints/, model/, the
 anchor's mailbox and wandb's files into its `--run-dir`. Starting a run there again would truncate
 the rows, replace the export and rewind the mailbox beside the old checkpoints, so a directory that
-holds any of them needs `--resume` (continue it) or `--overwrite` (clear it whole first, as HF
+holds any of them needs `--resume` (continue it) or `--overwrite` (delete that run first, as HF
 Trainer's `overwrite_output_dir` asks to be said). Light: no torch.
 """
 import json
@@ -55,13 +55,18 @@ def check_run_dir(run_dir: pathlib.Path, resume: bool, overwrite: bool) -> None:
     if resume or overwrite or not held_run(run_dir):
         return
     raise ConfigError(f"--run-dir {run_dir} already holds a run ({describe(run_dir)}): continue it with --resume, "
-                      "start over with --overwrite (deletes it), or choose another --run-dir")
+                      "start over with --overwrite (deletes that run), or choose another --run-dir")
 
 
-def clear(run_dir: pathlib.Path, mailbox: str = "") -> None:
-    """Delete run_dir whole, and the anchor's mailbox where it lives outside it (`--overwrite`)."""
-    for d in (run_dir, pathlib.Path(mailbox) if mailbox else None):
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)   # two nodes may clear one shared directory
+def clear(run_dir: pathlib.Path) -> None:
+    """Delete the run in run_dir (`--overwrite`): every entry a run writes, the anchor's mailbox
+    included; anything else there (a launch log, the user's files) stays. (An `anchor.mailbox`
+    elsewhere is rewound by the fresh run's anchor link itself.)"""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)   # two nodes may clear one shared directory
+        else:
+            path.unlink(missing_ok=True)
     if held_run(run_dir):
-        raise ConfigError(f"--overwrite: could not delete {run_dir} ({', '.join(held_run(run_dir))} left)")
+        raise ConfigError(f"--overwrite: could not delete the run in {run_dir} ({', '.join(held_run(run_dir))} left)")
