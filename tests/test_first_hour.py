@@ -74,6 +74,13 @@ def test_a_run_dir_is_never_written_over_by_accident(eight, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step1"]
 
 
+def as_in_a_terminal() -> None:
+    """SIGINT's default disposition, as a terminal's foreground job has it: a test run in the
+    background of a non-interactive shell inherits it ignored, and DeepSpeed's runner would then not
+    stop on it (its launcher would, exiting 1)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_prints_where_the_run_stands_and_the_command_to_go_on(tiny_model, tmp_path):
     """SIGINT to the launch's process group (a terminal's Ctrl-C) after a sealed checkpoint: rank 0
     says the step, the checkpoint and the command to continue, once; no rank prints a traceback (the
@@ -84,7 +91,7 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_to_go_on(tiny_model,
     overrides = ["train.steps=6", "train.save_every=1", "train.eval_every=100", "log.wandb=true"]
     p = subprocess.Popen(deepspeed("--ds-config", TINY, "--run-dir", run, *overrides), cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, "WANDB_MODE": "offline"})
+                         env={**os.environ, "WANDB_MODE": "offline"}, preexec_fn=as_in_a_terminal)
     try:
         while not (run / "metrics.jsonl").is_file() or len(rows(run)) < 2:
             assert p.poll() is None, p.communicate()[0][-3000:]
