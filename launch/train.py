@@ -10,6 +10,7 @@ the process group, build the pipeline engine and train. A collective that waits 
 train.collective_timeout stops the run with one line; so does Ctrl-C, with the command to continue.
 """
 import argparse
+import functools
 import os
 import pathlib
 import re
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     # each node's first rank reports what it finds (its files may differ from another node's); one
     # node: one line. Only rank 0 reads the data, so only it checks the data files.
     local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    run = load_or_exit(load_config, args.ds_config, args.overrides, None, False, rank0, report=local0)
+    run = load_or_exit(functools.partial(load_config, read_data=rank0), args.ds_config, args.overrides, report=local0)
     run_dir = pathlib.Path(args.run_dir or f"runs/{pathlib.Path(args.ds_config).stem}")
     load_or_exit(run_dirs.check_run_dir, run_dir, args.resume, args.overwrite, report=local0)
     if args.resume:
