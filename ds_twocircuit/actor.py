@@ -24,7 +24,8 @@ from .pipeline.grads import GradientComparison, GradientViews, SteppedNorm
 from .grpo.loss import LossCoefs, k3_kl
 from .grpo.rollouts import Rollout, nonzero_advantage_rows
 from .pipeline.guard import FiniteGuard, Verdict
-from .metrics.health import MISMATCH_SUMS, mismatch_sums
+from .grpo.rollout_correction import CORRECTION_SUMS, correction_sums, largest_weight
+from .metrics.health import MISMATCH_SUMS, SPLIT_SUMS, mismatch_split, mismatch_sums
 from .pipeline.step_order import install_step_hooks
 from .pipeline.wire import WireCount, WireCounter
 
@@ -33,6 +34,7 @@ from .pipeline.wire import WireCount, WireCounter
 class Probe:
     partials: dict[str, float]                 # probe/... sums (metrics/telemetry.py) and its forward bytes
     grads: dict[str, torch.Tensor] | None      # the dense gradient by HF name (per-parameter precision only)
+    dense_logp: torch.Tensor | None = None     # the last stage's codec-off log-probs of the shard, (N, T−1)
 
 
 @dataclass
@@ -100,7 +102,7 @@ class Actor:
                 view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
         values = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **view} if p.last_stage else None
         partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
-        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads)
+        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads, dense if p.last_stage else None)
 
     def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None, sampler_refs, kept,
                coefs: LossCoefs, sign, ppo_epochs: int) -> tuple[dict, float, Verdict]:
@@ -113,8 +115,11 @@ class Actor:
         steps, which of them were skipped for non-finite values)."""
         p = self.p
         on_policy = len(shards) * ppo_epochs == 1
+        rows0 = None      # the first shard's rows in the update, when some were left out (−1: pad)
         if kept is not None:
-            shards = [(nonzero_advantage_rows(mb, p.micro)[0], ntok) for mb, ntok in shards]
+            picked = [nonzero_advantage_rows(mb, p.micro) for mb, _ in shards]
+            rows0 = picked[0][1]
+            shards = [(rows, ntok) for (rows, _), (_, ntok) in zip(picked, shards)]
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
         with self.stepping(t, sign) as counts, self.stepped.recording() as stepped_sq:
             refs = zeros if coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
@@ -132,8 +137,11 @@ class Actor:
             olds = [updates[0].old_logp]
         partials = self._partials(counts, updates, shards, kept, olds, on_policy, dots, coefs.kl_coef > 0)
         partials.update(telemetry.stepped_partials(stepped_sq, len(updates)))
+        if coefs.correction is not None:
+            partials.update(self._correction_partials(shards, kept, olds, coefs.correction))
         if probe is not None:
             partials.update(probe.partials)
+            partials.update(self._split_partials(probe, shards, kept, olds, rows0))
         grad_norm = float("nan") if counts.verdict.skipped else float(np.mean([u.grad_norm for u in updates]))
         return partials, grad_norm, counts.verdict
 
@@ -141,15 +149,13 @@ class Actor:
         """This rank's metric partials of an update (metrics/telemetry.py sums them over ranks);
         `kl`: the loss has its KL term (β > 0), so actor/kl_loss is one of them."""
         p = self.p
-        # the means over the tokens that entered the passes: the kept ones' count
-        means = shards if kept is None else [(mb, k) for (mb, _), k in zip(shards, kept)]
         scale = [1.0] * len(shards) if kept is None else [ntok / k if k else 0.0 for (_, ntok), k in zip(shards, kept)]
         losses = [k for k in telemetry.LOSSES if kl or k != "actor/kl_loss"]
         partials = telemetry.owned(losses, _loss_sums(updates, scale) if p.last_stage else None)
         if not on_policy:
             first = {telemetry.FIRST_RATIO: updates[0].sums["actor/abs_log_ratio"] * scale[0]} if p.last_stage else None
             partials.update(telemetry.owned([telemetry.FIRST_RATIO], first))
-        partials.update(telemetry.owned(MISMATCH_SUMS, _mismatch_sums(means, olds) if p.last_stage else None))
+        partials.update(telemetry.owned(MISMATCH_SUMS, _mismatch_sums(shards, kept, olds) if p.last_stage else None))
         partials.update(telemetry.correction_partials(counts.agreement, dots["before"], dots["after"]))
         partials.update(telemetry.movement_partials(p.pipe.parameters(), self.base, p.stage, p.num_stages,
                                                     counted=p.dp_rank == 0))
@@ -160,6 +166,41 @@ class Actor:
         partials.update(telemetry.per_stage(["peak_rss_mib"], p.stage, p.num_stages, "memory",
                                             [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
         return partials
+
+
+    def _correction_partials(self, shards, kept, olds, c) -> dict:
+        """The rollout correction's sums over the tokens that entered the update (last stage) and each
+        data-parallel replica's largest weight in its own slot (rollout_correction.py)."""
+        p, values, largest = self.p, None, 0.0
+        if p.last_stage:
+            means = _token_means(shards, kept)
+            values = defaultdict(float)
+            for (mb, _), old, w in zip(shards, olds, means):
+                for k, v in correction_sums(old, mb.sampler_logp_NT1, w, c).items():
+                    values[k] += float(v)
+                largest = max(largest, largest_weight(old, mb.sampler_logp_NT1, w > 0, c))
+        out = telemetry.owned(CORRECTION_SUMS, values)
+        out.update(telemetry.per_replica("rollout_corr/_is_max", p.dp_rank, p.dp, largest))
+        return out
+
+    def _split_partials(self, probe: Probe, shards, kept, olds, rows0) -> dict:
+        """The first mini-batch's sampler–trainer gap by source (health.mismatch_split), on the tokens
+        of it that entered the update: the probe's codec-off log-probs between the sampler's and π_old."""
+        values = None
+        if self.p.last_stage:
+            dense = probe.dense_logp if rows0 is None else probe.dense_logp[rows0.clamp(min=0)]
+            mb, ntok = shards[0]
+            values = mismatch_split(mb.sampler_logp_NT1, dense, olds[0], mb.resp_NT1 / max(kept[0] if kept is not None else ntok, 1.0))
+        return telemetry.owned(SPLIT_SUMS, values)
+
+
+def _token_means(shards, kept) -> list[torch.Tensor]:
+    """Each shard's response tokens weighted 1 / (the tokens that entered the updates, over every
+    mini-batch and replica: the kept ones' count when some were left out), so that the weights sum to
+    1 over them."""
+    counts = [ntok for _, ntok in shards] if kept is None else kept
+    total = max(sum(counts), 1.0)
+    return [mb.resp_NT1 / total for mb, _ in shards]
 
 
 def _loss_sums(updates: list[passes.Update], scale: list[float]) -> dict[str, torch.Tensor]:
@@ -182,11 +223,10 @@ def _slots(updates: list[passes.Update]) -> dict:
                                       sum(x.trimmed for x in lays))))
 
 
-def _mismatch_sums(shards, olds) -> dict:
+def _mismatch_sums(shards, kept, olds) -> dict:
     """Sampler vs trainer log-probs of the sampled tokens (π_old, the weights that sampled them)."""
-    total = sum(ntok for _, ntok in shards)
     out = {}
-    for (mb, _), old in zip(shards, olds):
-        for k, v in mismatch_sums(mb.sampler_logp_NT1, old, mb.resp_NT1 / max(total, 1.0)).items():
+    for (mb, _), old, w in zip(shards, olds, _token_means(shards, kept)):
+        for k, v in mismatch_sums(mb.sampler_logp_NT1, old, w).items():
             out[k] = out.get(k, 0.0) + v
     return out

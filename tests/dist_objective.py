@@ -12,6 +12,8 @@ ratios are clipped both ways and dual-clipped), four times:
             the passes below run trimmed
   clipped   lr 0, the true-norm clip (pipeline/clip.py) at MAX_NORM, below the gradient's norm: the
             gradient after the clip, and the norm it read before
+  corrected lr 0, no clip, the rollout correction on (CORRECTION: truncation at 2, tokens and sequences
+            rejected), μ the rollout's sampler log-probs, which reach the last stage as labels
   direction on-policy, β = 0, a fresh AdamW at lr DIRECTION_LR: log π of every response before and
             after the step
 
@@ -30,6 +32,7 @@ import torch
 MAX_NORM = 0.01        # below the synthetic batch's gradient norm (the test asserts it binds)
 DIRECTION_LR = 1e-4
 TEMPERATURE, BETA = 0.7, 0.05
+CORRECTION = dict(is_threshold=2.0, token_bounds=(0.25, 4.0), geometric_bounds=(0.5, 1.5))
 OVERRIDES = ("model.layers_per_stage=[2,2,2,2]", f"grpo.temperature={TEMPERATURE}", f"grpo.kl_coef={BETA}")
 
 
@@ -85,7 +88,8 @@ def reference_gradients(model_dir: str, r, old_NT1, ref_NT1, coefs, temperature:
     from ds_twocircuit.grpo.loss import grpo_token_loss
     hf, logp = hf_logprobs(model_dir, r, temperature, weights)
     old = logp.detach() if old_NT1 is None else old_NT1
-    loss, sums = grpo_token_loss(logp, old, ref_NT1, r.adv_N, r.resp_NT1 / r.resp_NT1.sum(), coefs)
+    loss, sums = grpo_token_loss(logp, old, ref_NT1, r.adv_N, r.resp_NT1 / r.resp_NT1.sum(), coefs,
+                                 r.sampler_logp_NT1 if coefs.correction else None)
     loss.backward()
     return {n: q.grad.clone() for n, q in hf.named_parameters()}, {k: float(v) for k, v in sums.items()}
 
@@ -98,6 +102,7 @@ def main(model_dir, config, out):
 
     from ds_twocircuit.config import load_config
     from ds_twocircuit.grpo.loss import LossCoefs
+    from ds_twocircuit.grpo.rollout_correction import Correction
     from ds_twocircuit.grpo.rollouts import minibatch_shards, shard_slices
     from ds_twocircuit.pipeline import passes
     from ds_twocircuit.pipeline.clip import TrueNormClip
@@ -138,6 +143,8 @@ def main(model_dir, config, out):
     update("clipped", clip, 0.0, old_NT1=old[rows], ref_NT1=ref[rows], coefs=coefs, old_is_current=False)
     if dist.get_rank() == 0:
         json.dump({"pre_clip_norm": clip.last_norm}, open(f"{out}/clip.json", "w"))
+    update("corrected", None, 0.0, old_NT1=old[rows], ref_NT1=ref[rows],
+           coefs=dataclasses.replace(coefs, correction=Correction(**CORRECTION)), old_is_current=False)
 
     opt.state.clear()                                      # a fresh AdamW: its first step is −lr·sign(g)
     before = passes.logprobs(p, mb)

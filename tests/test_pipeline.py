@@ -82,6 +82,30 @@ def test_micro_batch_split_does_not_change_the_loss(eight, tmp_path):
     assert_same_weights(weights(eight), weights(tmp_path / "run"))
 
 
+def test_the_rollout_correction_against_a_dense_fp32_sampler_is_the_uncorrected_run(eight, tmp_path):
+    """Codec off, an fp32 sampler, staleness 0: π_old/μ is the dense fp32 gap alone, so with the
+    correction on (rejection bounds too) every weight is 1 within it, nothing is rejected, and the
+    run is the uncorrected one: rows within 1e-4 relative (measured 2026-12-06: ≤ 1.6e-6), weights to
+    assert_same_weights's bound. On the probe step the gap's split puts all of it in the numerics:
+    the codec's share is exactly 0 (the same dense passes), numerics + codec = rollout_corr/kl."""
+    launch(8, tmp_path, "grpo.rollout_correction.enabled=true", "grpo.rollout_correction.rollout_rs_token=[0.5,2]",
+           "grpo.rollout_correction.rollout_rs_geometric=[0.999,1.001]")
+    on = rows(tmp_path)
+    for x in on:
+        assert abs(x["rollout_corr/rollout_is_mean"] - 1) < 1e-5 and x["rollout_corr/rollout_is_max"] < 1 + 1e-5, x["step"]
+        assert x["rollout_corr/rollout_is_eff_sample_size"] > 1 - 1e-6, x["step"]      # fp32 sums: 1 − 1.2e-7 measured
+        assert x["rollout_corr/rollout_rs_masked_fraction"] == 0.0 == x["rollout_corr/rollout_is_ratio_fraction_high"]
+    assert "rollout_corr/rollout_is_mean" not in rows(eight)[0]
+    assert_rows_close(rows(eight), on, ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
+                                        "critic/score/mean", "rollout_corr/kl"), rel_tol=1e-4)
+    assert_same_weights(weights(eight), weights(tmp_path))
+    probed = on[0]
+    assert probed["mismatch/codec_kl"] == 0.0 == probed["mismatch/codec_logp_diff"]
+    assert 0 < probed["mismatch/numerics_logp_diff"] < 1e-5
+    assert math.isclose(probed["mismatch/numerics_kl"], probed["rollout_corr/kl"], rel_tol=1e-6, abs_tol=1e-12)
+    assert "mismatch/codec_kl" not in on[1]                                   # probe steps only
+
+
 def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
     """`latest` names a sealed checkpoint (one manifest per rank); one flipped byte in a layer file
     and `--resume` stops with one line naming that file, before any process group or new row."""
@@ -141,11 +165,16 @@ def test_the_grpo_objective_as_the_pipeline_applies_it(tiny_model, tmp_path):
     trimmed, where each micro-batch runs attention and the matmuls at its own length (bound: 1e-5
     relative plus 1e-5 of the tensor's largest element: measured 5.2e-6, in the attention's v and o
     projections). A flipped loss, advantages on the wrong rows, a lost temperature, a wrong scale or
-    a pad attended move them by their own size. The clipped and direction passes run trimmed. With the
+    a pad attended move them by their own size. The clipped, corrected and direction passes run trimmed.
+    With the rollout correction on (truncation, token and sequence rejection all binding) the gradient
+    is the reference's with the same correction, the sampler's log-probs reaching the last stage as
+    labels (the correction moves the gradient by over 5 % of its norm, so a lost or misaligned μ shows). With the
     true-norm clip at 0.01 the stepped gradient is the reference × 0.01/(‖g‖ + 1e-6) and the norm
     the clip read is the reference's (the tied embedding counted once). One on-policy AdamW step at
     β = 0 raises Σ Â·Δlog π over the responses, and raises the mean log π of the positive-advantage
     responses' tokens relative to the negative ones'."""
+    import dataclasses
+
     import dist_objective as obj
     from safetensors.torch import load_file
     from ds_twocircuit.grpo.loss import LossCoefs
@@ -164,17 +193,27 @@ def test_the_grpo_objective_as_the_pipeline_applies_it(tiny_model, tmp_path):
     assert norm > 3 * obj.MAX_NORM, norm
     clip = json.loads((tmp_path / "clip.json").read_text())
     assert math.isclose(clip["pre_clip_norm"], norm, rel_tol=1e-5), (clip, norm)
-    for kind, scale in (("plain", 1.0), ("trimmed", 1.0), ("clipped", obj.MAX_NORM / (norm + 1e-6))):
+    from ds_twocircuit.grpo.rollout_correction import Correction, correction_sums
+    corr = Correction(**obj.CORRECTION)
+    ref_corr, _ = obj.reference_gradients(str(tiny_model), r, saved["old"], saved["ref"],
+                                          dataclasses.replace(coefs, correction=corr))
+    cs = correction_sums(saved["old"], r.sampler_logp_NT1, r.resp_NT1 / r.resp_NT1.sum(), corr)
+    # the correction truncates, rejects, and moves the gradient far beyond the bounds below
+    assert cs["rollout_corr/rollout_is_ratio_fraction_high"] > 0.02 and cs["rollout_corr/rollout_rs_masked_fraction"] > 0.02
+    moved = sum((ref_corr[n] - ref[n]).pow(2).sum() for n in ref) ** 0.5 / norm
+    assert moved > 0.05, moved
+    for kind, scale, want in (("plain", 1.0, ref), ("trimmed", 1.0, ref), ("clipped", obj.MAX_NORM / (norm + 1e-6), ref),
+                              ("corrected", 1.0, ref_corr)):
         got = {}
         for f in sorted((tmp_path / kind).glob("grads_stage*.safetensors")):
             for n, g in load_file(f).items():
                 if n in got:                      # the tied head's copy: the same reduced gradient
                     assert torch.equal(got[n], g), n
                 got[n] = g
-        assert got.keys() == ref.keys()
-        for n in ref:
-            atol = (1e-7 if kind == "plain" else 1e-5 * float(ref[n].abs().max())) * scale
-            torch.testing.assert_close(got[n], ref[n] * scale, rtol=1e-5, atol=atol, msg=f"{kind} {n}")
+        assert got.keys() == want.keys()
+        for n in want:
+            atol = (1e-7 if kind == "plain" else 1e-5 * float(want[n].abs().max())) * scale
+            torch.testing.assert_close(got[n], want[n] * scale, rtol=1e-5, atol=atol, msg=f"{kind} {n}")
     before, after = torch.zeros_like(r.resp_NT1), torch.zeros_like(r.resp_NT1)
     for f in tmp_path.glob("direction*.pt"):
         d = torch.load(f)

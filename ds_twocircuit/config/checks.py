@@ -58,6 +58,7 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int, read_data: bool = 
         raise ConfigError(f"grpo.skip_zero_advantage=true needs grpo.kl_coef=0 (it is {g.kl_coef}"
                           f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "
                           "sequence's gradient is exactly zero only without the KL term")
+    check_correction(g.rollout_correction)
     if g.temperature <= 0:
         raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
     if tc.data.max_prompt_len < 1:
@@ -124,6 +125,16 @@ def check_fields(section, prefix: str = "") -> None:
             raise ConfigError(f"{key}={v}: must be a finite number")
         elif lo is not None and isinstance(v, (int, float)) and v < lo:
             raise ConfigError(f"{key}={v}: must be >= {lo}")
+
+
+def check_correction(rc) -> None:
+    """Each rejection bound a pair [lo, hi] of finite numbers with 0 < lo <= 1 <= hi (a ratio of 1, the
+    sampler agreeing with the trainer, is always kept), or empty."""
+    for name in ("rollout_rs_token", "rollout_rs_geometric"):
+        b = list(getattr(rc, name))
+        if b and not (len(b) == 2 and all(isinstance(x, (int, float)) and math.isfinite(x) for x in b)
+                      and 0 < b[0] <= 1 <= b[1]):
+            raise ConfigError(f"grpo.rollout_correction.{name}={b}: expected [] or [lo, hi] with 0 < lo <= 1 <= hi")
 
 
 def check_sampler(s) -> None:
@@ -317,6 +328,9 @@ def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
     if not tc.control.enabled:
         out.update({f"control.{f.name}": "control.enabled=false" for f in dataclasses.fields(type(tc.control))
                     if f.name != "enabled"})
+    if not tc.grpo.rollout_correction.enabled:
+        out.update({f"grpo.rollout_correction.{f.name}": "grpo.rollout_correction.enabled=false"
+                    for f in dataclasses.fields(type(tc.grpo.rollout_correction)) if f.name != "enabled"})
     if tc.sampler.backend != "vllm":
         out.update({f"sampler.{k}": f"only the vllm backend reads it (sampler.backend='{tc.sampler.backend}')"
                     for k in ("kv_cache_gib", "gpu_memory_utilization", "enforce_eager")})

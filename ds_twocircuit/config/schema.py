@@ -92,6 +92,20 @@ class DataConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The sampler's log-probs μ as the behaviour policy in the loss (grpo/rollout_correction.py): each
+    token's policy-gradient term × min(π_old/μ, C), optionally rejecting tokens and sequences."""
+    enabled: bool = opt(False, "correct every token's policy-gradient term by its truncated importance weight "
+                        "min(π_old/μ, rollout_is_threshold); off: the loss ignores μ")
+    rollout_is_threshold: float = opt(2.0, "C, the truncation of the per-token weight (verl's name and default)", lo=1)
+    rollout_rs_token: list[float] = opt([], "[lo, hi]: a token whose π_old/μ leaves it is left out of the policy "
+                                        "gradient (IcePop-style; verl's rollout_rs=token_k1 bounds [1/hi, 1/lo]); "
+                                        "[]: none")
+    rollout_rs_geometric: list[float] = opt([], "[lo, hi]: a sequence whose geometric-mean ratio exp(mean log "
+                                            "π_old/μ) leaves it is left out whole (verl's seq_mean_k1); []: none")
+
+
+@dataclass
 class GRPOConfig:
     """The GRPO objective."""
     prompts_per_step: int = opt(32, "B: prompts per step", lo=1)
@@ -111,6 +125,8 @@ class GRPOConfig:
     share_prompts: bool = opt(False, "each cut sends a group's prompt columns once, not G times (their hidden "
                               "states are the same under causal attention; with a codec, one code per group); "
                               "needs train_micro_batch_size_per_gpu to be a multiple of group_size")
+    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig, "the sampler's log-probs as the "
+                                                      "behaviour policy (off by default)")
     skip_zero_advantage: bool = opt(False, "leave the sequences of groups whose rewards are all equal (advantage "
                                     "exactly 0) out of the pipeline's update passes; their gradient is exactly 0 "
                                     "only at grpo.kl_coef=0, which it requires")

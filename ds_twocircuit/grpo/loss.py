@@ -5,7 +5,7 @@ Per response token t of sequence i, with ρ = exp(logπ_θ − logπ_old) and ad
     pg_t  = max(−Â·ρ, −Â·clip(ρ, 1−ε_low, 1+ε_high))          (PPO clip)
     pg_t  = min(pg_t, −Â·c)                  if Â < 0           (dual-clip, c = clip_ratio_c > 1)
     kl_t  = exp(d) − d − 1,  d = logπ_ref − logπ_θ               (k3 estimator, ≥ 0, unbiased for KL(π_θ‖π_ref))
-    ℓ_t   = pg_t + β·kl_t
+    ℓ_t   = κ_t·pg_t + β·kl_t        (κ_t = 1; with grpo.rollout_correction, the weight of rollout_correction.py)
 
 The KL term exists only where it counts: not at all at β = 0, and on response tokens only (d is set
 to 0 elsewhere before the exponential: off the response the reference holds zeros, not log-probs, and a
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rollout_correction import Correction, correction_weights
+
 
 @dataclass(frozen=True)
 class LossCoefs:
@@ -35,11 +37,12 @@ class LossCoefs:
     clip_high: float = 0.2
     clip_ratio_c: float = 3.0
     kl_coef: float = 0.001
+    correction: Correction | None = None     # the rollout correction (rollout_correction.py); None: off
 
     @classmethod
     def from_config(cls, g) -> "LossCoefs":
         """From the `grpo.*` config section."""
-        return cls(g.clip_low, g.clip_high, g.clip_ratio_c, g.kl_coef)
+        return cls(g.clip_low, g.clip_high, g.clip_ratio_c, g.kl_coef, Correction.from_config(g.rollout_correction))
 
 
 KL_LOG_RATIO_CLAMP = 20.0     # verl's low_var_kl bound on d: e^20 ≈ 4.9e8, finite in fp32
@@ -56,11 +59,13 @@ def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tenso
     return torch.exp(d) - d - 1.0
 
 
-def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: LossCoefs):
+def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: LossCoefs, behav_logp_BT=None):
     """→ (loss scalar = Σ w·ℓ, metric sums dict). Metric sums are w-weighted (divide by Σw for means).
 
     logp_BT: (B, T) log π_θ of the target tokens, with grad. old/ref: (B, T), no grad.
     adv_B: (B,) sequence advantages. weight_BT: (B, T) per-token weights, 0 off the response.
+    behav_logp_BT: (B, T) the sampler's log-probs μ, read with `coefs.correction`: each token's
+    policy-gradient term × its correction weight (rollout_correction.py).
     """
     adv_B1 = adv_B.unsqueeze(1)
     log_ratio = logp_BT - old_logp_BT
@@ -70,6 +75,8 @@ def grpo_token_loss(logp_BT, old_logp_BT, ref_logp_BT, adv_B, weight_BT, coefs: 
     pg = torch.maximum(pg_unclipped, pg_clipped)
     dual_bound = -adv_B1 * coefs.clip_ratio_c
     pg_dual = torch.where(adv_B1 < 0, torch.minimum(pg, dual_bound), pg)
+    if coefs.correction is not None:
+        pg_dual = pg_dual * correction_weights(old_logp_BT, behav_logp_BT, weight_BT > 0, coefs.correction)
     kl = k3_kl(logp_BT, ref_logp_BT, weight_BT > 0) if coefs.kl_coef > 0 else None
     loss = (weight_BT * (pg_dual + coefs.kl_coef * kl if kl is not None else pg_dual)).sum()
 

@@ -1,4 +1,4 @@
-"""Health metrics (pure): the train-inference mismatch and the trend of a logged metric.
+"""Health metrics (pure): the train-inference mismatch, its split by source, and the trend of a logged metric.
 
 Train-inference mismatch on the sampled response tokens, sampler log-probs s vs trainer log-probs
 t of the same tokens under the same weights θ_t (sampled from the sampler, so expectations are
@@ -34,6 +34,26 @@ def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]
         "rollout_corr/_ps2": (w * ps * ps).sum(), "rollout_corr/_pt2": (w * pt * pt).sum(),
         "rollout_corr/_pspt": (w * ps * pt).sum(),
     }
+
+
+SPLIT_SUMS = ["mismatch/numerics_kl", "mismatch/codec_kl", "mismatch/numerics_logp_diff", "mismatch/codec_logp_diff"]
+
+
+def mismatch_split(sampler_logp, dense_logp, trainer_logp, weight) -> dict[str, torch.Tensor]:
+    """The sampler–trainer gap by source, on the same tokens (weights summing to 1 over them once summed
+    over ranks), with d the trainer's codec-off log-probs at the same weights (the probe's):
+
+        mismatch/numerics_kl = E[s − d]      the sampler's backend and precision against the dense trainer
+        mismatch/codec_kl    = E[d − t]      the codec's share: dense against the compressed pass
+        numerics_kl + codec_kl = E[s − t]    rollout_corr/kl on these tokens, exactly up to rounding
+
+    and the mean absolute differences of each pair (k1 means can cancel; these cannot)."""
+    w = weight
+    on = w > 0
+    num = torch.where(on, sampler_logp - dense_logp, torch.zeros_like(w))
+    codec = torch.where(on, dense_logp - trainer_logp, torch.zeros_like(w))
+    return {"mismatch/numerics_kl": (w * num).sum(), "mismatch/codec_kl": (w * codec).sum(),
+            "mismatch/numerics_logp_diff": (w * num.abs()).sum(), "mismatch/codec_logp_diff": (w * codec.abs()).sum()}
 
 
 def finish_mismatch(m: dict[str, float]) -> dict[str, float]:

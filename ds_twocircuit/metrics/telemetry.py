@@ -9,7 +9,11 @@ metric has a name part that starts with "_".
 
     losses      actor/{pg_loss, kl_loss, ppo_kl, pg_clipfrac(_lower, _dual), entropy}: token-mean sums
     mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean, logp_diff_mean} sums and the moments behind the Pearson
-                (health.py); with prefix probe/ for the codec-off probe
+                (health.py); with prefix probe/ for the codec-off probe; on probe steps mismatch/{numerics,
+                codec}_{kl, logp_diff}, the gap by source (health.mismatch_split)
+    rollout correction (grpo.rollout_correction.enabled) rollout_corr/{rollout_is_mean, _is_sq,
+                rollout_is_ratio_fraction_high, rollout_rs_masked_fraction} sums, rollout_corr/_is_max_dp{r}:
+                replica r's largest weight
     clipped     actor/_stepped_sq/{i}: Σ g² of optimizer step i's gradient after the clip (grads.SteppedNorm)
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
@@ -27,6 +31,7 @@ import zlib
 import torch
 
 from ..grpo.advantages import zero_advantage_groups
+from ..grpo.rollout_correction import effective_sample_size
 from .health import finish_mismatch
 from ..pipeline import comm
 
@@ -67,6 +72,25 @@ def per_stage(names, stage: int, num_stages: int, prefix: str, values) -> dict[s
     """`prefix/name/stage{s}` for every stage s: `values` at this stage's slot, 0 at the others'."""
     return {f"{prefix}/{n}/stage{s}": (float(v) if s == stage else 0.0)
             for s in range(num_stages) for n, v in zip(names, values)}
+
+
+def per_replica(name: str, dp_rank: int, dp: int, value: float) -> dict[str, float]:
+    """`name_dp{r}` for every data-parallel replica r: `value` at this replica's slot, 0 at the others'
+    (a maximum over replicas is read from the slots: the sum keeps each)."""
+    return {f"{name}_dp{r}": (float(value) if r == dp_rank else 0.0) for r in range(dp)}
+
+
+def finish_rollout_correction(r: dict[str, float]) -> dict[str, float]:
+    """The rollout correction's logged values: the weights' mean, max and effective sample size (verl's
+    names), the share of ratios above C and the share rejected."""
+    if "rollout_corr/_is_sq" not in r:
+        return {}
+    mean = r["rollout_corr/rollout_is_mean"]
+    return {"rollout_corr/rollout_is_mean": mean,
+            "rollout_corr/rollout_is_max": max(v for k, v in r.items() if k.startswith("rollout_corr/_is_max_dp")),
+            "rollout_corr/rollout_is_eff_sample_size": effective_sample_size(mean, r["rollout_corr/_is_sq"]),
+            "rollout_corr/rollout_is_ratio_fraction_high": r["rollout_corr/rollout_is_ratio_fraction_high"],
+            "rollout_corr/rollout_rs_masked_fraction": r["rollout_corr/rollout_rs_masked_fraction"]}
 
 
 def peak_rss_mib() -> float:
@@ -148,8 +172,12 @@ def finish_correction(r: dict[str, float], compared: bool) -> dict[str, float]:
 def finish(r: dict[str, float], num_stages: int, probed: bool, compared: bool) -> dict[str, float]:
     """The logged metrics of a step from the summed partials (probe keys on probe steps)."""
     out = {k: r[k] for k in LOSSES + [FIRST_RATIO] if k in r}
-    out.update(finish_mismatch({k: v for k, v in r.items() if k.startswith("rollout_corr/")}))
+    correction = finish_rollout_correction(r)
+    out.update(finish_mismatch({k: v for k, v in r.items() if k.startswith("rollout_corr/") and k not in correction
+                                and not k.startswith("rollout_corr/_is_")}))
+    out.update(correction)
     if probed:
+        out.update({k: v for k, v in r.items() if k.startswith("mismatch/")})
         probe = {k[len("probe/"):]: v for k, v in r.items() if k.startswith("probe/") and k != "probe/_bytes_fwd"}
         out.update({"probe/" + k: v for k, v in finish_mismatch(probe).items()})
         out["probe/bytes_fwd"] = r["probe/_bytes_fwd"]

@@ -7,7 +7,8 @@
 DeepSpeed calls one `loss_fn(out, labels)` per micro-batch on the last stage and nowhere else, `out`
 the head's `HeadOut(h, W)` (log-probs made from it a chunk of tokens at a time, grpo/logprobs.py);
 `LastStage` is that loss_fn, and hands each call to the pass that is running, only while it runs.
-Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_BT1). `weight` is
+Labels per micro-batch: (targets_BT1, weight_BT1, adv_B, old_logp_BT1, ref_logp_BT1[, sampler_logp_BT1]),
+the sampler's log-probs only for an update under grpo.rollout_correction. `weight` is
 1/N_tokens of the PPO mini-batch on response tokens (target coordinates, grpo/rollouts.py), and the
 loss is multiplied back by gradient-accumulation steps × data-parallel size, which DeepSpeed
 divides by, so the gradient is exactly the global token-mean's however the batch is split.
@@ -26,6 +27,7 @@ padded pass whose padded length, prompt columns or codec on/off differ from the 
 every trimmed pass, first drops them on every rank (`shaped`).
 """
 import contextlib
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -82,12 +84,12 @@ class _GRPOLoss:
         self.sums: dict[str, torch.Tensor] = defaultdict(float)   # 0.0 + the first micro-batch's, on its device
 
     def __call__(self, out: HeadOut, labels):
-        targets, weight, adv, old, ref = labels
+        targets, weight, adv, old, ref, *behav = labels
         logp, entropy = head_logprobs(out.h_BTD[:, :-1], out.weight_VD, targets, self.temperature)
         if self.old_is_current:
             old = logp.detach()
             self.logps.append(old)
-        loss, sums = grpo_token_loss(logp, old, ref, adv, weight, self.coefs)
+        loss, sums = grpo_token_loss(logp, old, ref, adv, weight, self.coefs, *behav)
         sums["actor/entropy"] = (weight * entropy).sum()
         for k, v in sums.items():
             self.sums[k] += v
@@ -113,9 +115,10 @@ def plan(p, batch: Rollout) -> Layout:
     return choose_layout(span_from_mask(batch.attn_NT), T, p.micro, p.share_group, cuts, p.trim)
 
 
-def micro_batches(r: Rollout, lay: Layout, weight_NT1, old_NT1, ref_NT1, share: int = 0):
+def micro_batches(r: Rollout, lay: Layout, weight_NT1, old_NT1, ref_NT1, share: int = 0, behav: bool = False):
     """DeepSpeed's ((ids, attn, sid[, [P, G]]), labels) micro-batches of `lay`, in its order; with
-    `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py)."""
+    `share` = G the inputs also say which prompt columns a group shares (codec/shared_prompts.py);
+    with `behav` the labels end with the sampler's log-probs (the rollout correction's μ)."""
     check_contiguous(r.attn_NT)
     prompt = shared_prompts.prompt_columns(r.resp_NT1) if share else 0   # responses start at one column
     for rows, (lo, hi) in zip(lay.rows, lay.cols):
@@ -124,8 +127,9 @@ def micro_batches(r: Rollout, lay: Layout, weight_NT1, old_NT1, ref_NT1, share: 
         if P:
             shared_prompts.check_groups(ids, P, share)
         extra = (torch.tensor([P, share]),) if P else ()
+        mu = (r.sampler_logp_NT1[rows, t],) if behav else ()
         yield ((ids, r.attn_NT[rows, lo:hi], r.sample_id_N[rows], *extra),
-               (ids[:, 1:], weight_NT1[rows, t], r.adv_N[rows], old_NT1[rows, t], ref_NT1[rows, t]))
+               (ids[:, 1:], weight_NT1[rows, t], r.adv_N[rows], old_NT1[rows, t], ref_NT1[rows, t], *mu))
 
 
 def host_logprobs(logps: list[torch.Tensor], lay: Layout) -> torch.Tensor:
@@ -176,7 +180,8 @@ def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, o
     w = batch.resp_NT1 / max(ntok, 1.0)
     loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current)
     with p.loss.running(loss), micro_batch_count(p.engine, len(lay.rows)), shaped(p, batch, lay):
-        p.engine.train_batch(iter(micro_batches(batch, lay, w, old_NT1, ref_NT1, p.share_group)))
+        p.engine.train_batch(iter(micro_batches(batch, lay, w, old_NT1, ref_NT1, p.share_group,
+                                                behav=coefs.correction is not None)))
     old = host_logprobs(loss.logps, lay) if old_is_current and p.last_stage else None
     return Update(sums=dict(loss.sums), old_logp=old, grad_norm=p.clip.norm(), layout=lay)
 
@@ -184,12 +189,13 @@ def update(p, batch: Rollout, ntok: float, old_NT1, ref_NT1, coefs: LossCoefs, o
 def dense_gradient(p, batch: Rollout, ntok: float, ref_NT1, coefs: LossCoefs):
     """∇ of the GRPO loss at the current weights (π_old = π_θ, so ρ = 1), with DeepSpeed's reductions
     over tied copies and data-parallel replicas but no optimizer step: the anchor's replay and the
-    trainer's probe. → (HF name → gradient of every parameter this rank holds, loss metric sums);
-    .grad is cleared after."""
+    trainer's probe; on-policy at the dense weights, so without the rollout correction (its weights
+    there are the sampler's numerics alone). → (HF name → gradient of every parameter this rank holds,
+    loss metric sums); .grad is cleared after."""
     lay = plan(p, batch)
     w = batch.resp_NT1 / max(ntok, 1.0)
     z = torch.zeros_like(batch.resp_NT1)
-    loss = _GRPOLoss(coefs, p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current=True)
+    loss = _GRPOLoss(dataclasses.replace(coefs, correction=None), p.temperature, p.engine.gradient_accumulation_steps() * p.dp, old_is_current=True)
     with p.loss.running(loss), shaped(p, batch, lay):
         forward_backward(p.engine, micro_batches(batch, lay, w, z, ref_NT1, p.share_group))
     grads = {n: q.grad.detach().float().clone() for n, q in p.pipe.hf_parameters_all().items()}
