@@ -167,7 +167,6 @@ class Actor:
                                             [telemetry.peak_rss_mib() if p.dp_rank == 0 else 0.0]))
         return partials
 
-
     def _correction_partials(self, shards, kept, olds, c) -> dict:
         """The rollout correction's sums over the tokens that entered the update (last stage) and each
         data-parallel replica's largest weight in its own slot (rollout_correction.py)."""
@@ -190,7 +189,8 @@ class Actor:
         if self.p.last_stage:
             dense = probe.dense_logp if rows0 is None else probe.dense_logp[rows0.clamp(min=0)]
             mb, ntok = shards[0]
-            values = mismatch_split(mb.sampler_logp_NT1, dense, olds[0], mb.resp_NT1 / max(kept[0] if kept is not None else ntok, 1.0))
+            count = kept[0] if kept is not None else ntok       # the first mini-batch's updated tokens
+            values = mismatch_split(mb.sampler_logp_NT1, dense, olds[0], mb.resp_NT1 / max(count, 1.0))
         return telemetry.owned(SPLIT_SUMS, values)
 
 

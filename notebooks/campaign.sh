@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long-run campaign: dense, frontier_wide.json and prf95.json with the anchor every step (c = K = 1),
 # from one fixed starting model, the same batch and savings for all, one run at a time (2 cores).
-#   notebooks/campaign.sh COMMIT START_DIR STEPS NAME [NAME ...]   (NAME: dense_s0, frontier_s1, prf95_s0, ...)
+#   notebooks/campaign.sh COMMIT START_DIR STEPS NAME [NAME ...]   (NAME: dense_s0, frontier_s1, prf95_s0,
+#                                                                  frontier_rc_s0: with the rollout correction, ...)
 # Every run of a campaign runs the code of COMMIT, from a git worktree of it (so the checkout can move
 # on meanwhile, and each run's provenance.json records COMMIT, clean). Runs go under runs/campaign/NAME;
 # a finished one (its eval.jsonl has step STEPS) is not run again, an interrupted one resumes from its
@@ -20,12 +21,21 @@ declare -A RECIPES=(
   [dense]="ds_configs/dense.json"
   [frontier]="ds_configs/frontier_wide.json"
   [prf95]="ds_configs/prf95.json"
+  [frontier_rc]="ds_configs/frontier_wide.json"
+  [prf95_rc]="ds_configs/prf95.json"
+)
+# a recipe's own overrides: the rollout correction on, micro-batches never trimmed (what the campaign's
+# commit did, so that these runs differ from its runs by the correction alone: notebooks/LOG.md)
+declare -A EXTRA=(
+  [frontier_rc]="grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
+  [prf95_rc]="grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
 )
 for name in "$@"; do
   recipe=${name%_s*} seed=${name##*_s}
   cfg=${RECIPES[$recipe]:?unknown recipe in $name}
   dir=$root/runs/campaign/$name
   if grep -q "\"step\": $steps," "$dir/eval.jsonl" 2>/dev/null; then echo "[campaign] $name: done"; continue; fi
+  read -ra extra <<< "${EXTRA[$recipe]:-}"
   codec_seed=(codec.seed="$seed")
   [ "$recipe" = dense ] && codec_seed=()    # the dense codec reads no key
   resume=()
@@ -34,7 +44,7 @@ for name in "$@"; do
   [ -f "$dir/checkpoints/latest" ] && resume=(--resume)
   echo "[campaign] $name: $cfg seed $seed from $start, $steps steps, code ${commit:0:8} ($(date -u +%H:%M))"
   (cd "$tree" && PYTHONPATH="$tree" deepspeed --num_gpus 8 --master_port "${MASTER_PORT:-29500}" launch/train.py \
-     --ds-config "$cfg" --run-dir "$dir" "${resume[@]}" "${common[@]}" train.seed="$seed" "${codec_seed[@]}") \
+     --ds-config "$cfg" --run-dir "$dir" "${resume[@]}" "${common[@]}" train.seed="$seed" "${codec_seed[@]}" "${extra[@]}") \
      > "$dir.log" 2>&1 || { echo "[campaign] $name failed: $dir.log"; exit 1; }
   keep=$root/notebooks/campaign/$name
   mkdir -p "$keep"

@@ -11,9 +11,8 @@ metric has a name part that starts with "_".
     mismatch    rollout_corr/{kl, k3_kl, prob_diff_mean, logp_diff_mean} sums and the moments behind the Pearson
                 (health.py); with prefix probe/ for the codec-off probe; on probe steps mismatch/{numerics,
                 codec}_{kl, logp_diff}, the gap by source (health.mismatch_split)
-    rollout correction (grpo.rollout_correction.enabled) rollout_corr/{rollout_is_mean, _is_sq,
-                rollout_is_ratio_fraction_high, rollout_rs_masked_fraction} sums, rollout_corr/_is_max_dp{r}:
-                replica r's largest weight
+    rollout IS  with grpo.rollout_correction: rollout_corr/{rollout_is_mean, _is_sq, rollout_is_ratio_fraction_high,
+                rollout_rs_masked_fraction} sums; rollout_corr/_is_max_dp{r}, replica r's largest weight
     clipped     actor/_stepped_sq/{i}: Σ g² of optimizer step i's gradient after the clip (grads.SteppedNorm)
     correction  anchor/_agree, anchor/_numel; grad/_cd, _cc, _dd (before the correction), _kd, _kk (after)
     movement    weights/_d2, _b2, _pb, _p2 /stage{s}: Σ(θ−θ₀)², Σθ₀², Σθ·θ₀, Σθ²   (data-parallel rank 0)
