@@ -3,7 +3,8 @@ GPU stages at 100 Mbit/s and 1 Gbit/s, per codec, and which term dominates.
 
     python launch/projection.py [--beta 3.03 --bench-m 4] [--sync-ratio R] [--anchor-every C]
                                 [--anchor compute-matched|full] [--ref sampler] [--prompt-share S
-                                --share-prompts] [--skipped-share Z] ...
+                                --share-prompts] [--skipped-share Z] [--gen-tokens-per-s T
+                                --sampler-gpus G] ...
 
 The workload is a GRPO step at deployment scale: 512 prompts × 8 samples, bf16 activations, P = 1.54 B
 parameters, S = 8 stages on H100s at 40 % MFU. N, the token slots a pass computes and sends, comes
@@ -52,6 +53,20 @@ links in a chain; `--overlap` in bench_links.py measures how β follows M). Two 
 sum of the terms (DeepSpeed's blocking sends leave transfer and compute in series on each stage),
 and overlapped, max(compute, boundaries) + sync + anchor (transfers hidden behind compute, the
 most non-blocking sends or a deeper schedule could give).
+
+Generation, a second table: the dense sampler on its own --sampler-gpus H100s (vLLM, bf16) generates
+the step's response tokens at --gen-tokens-per-s each (prefill left out: prompts are a tenth of the
+tokens and run at many times the decode rate). The assumption, 12 500 output tokens/s per H100, is
+vLLM's measured throughput for Llama-3.1-8B in bf16 on one H100 (third-party benchmarks collected at
+morphllm.com/vllm-benchmarks, 2026), taken as a floor for 1.5B: a decode step of Qwen2.5-1.5B reads
+about a fifth of the weight bytes and a quarter of the KV bytes per token; the table also shows 4×
+that rate. With the training step's serial time `train` (compute, boundaries, reference, anchor) and
+the weight sync's transfer `sync`:
+
+    sync   gen + train + sync                  today's loop: generate, train, then sync
+    async  max(gen + sync, train)              rollout.staleness ≥ 1: the sampler generates step t+1
+                                               on θ_t while the pipeline trains step t; the weights
+                                               land between two generations
 
 The anchor is bounded by compute, not bytes: one device replaying a whole batch densely takes
 (S / anchor devices) × the step's compute, so its cadence c cannot be below S/A. The compute-matched
@@ -151,6 +166,23 @@ def table(a) -> str:
     return "\n".join(lines)
 
 
+def generation_table(a) -> str:
+    """Seconds per step with generation in it, sync against async (module docstring), per link, codec
+    and sampler throughput."""
+    lines = ["| link | codec | sampler tokens/s | generate | train (serial) | sync | step, sync | step, async | "
+             "async gain |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, bps in (("100 Mbit/s", 100e6), ("1 Gbit/s", 1e9)):
+        for codec in CODECS:
+            t = terms(codec, bps, a)
+            train, sync = t["compute"] + t["boundaries"] + t["ref"] + t["anchor"], t["sync (delta)"]
+            for rate in (a.gen_tokens_per_s, 4 * a.gen_tokens_per_s):
+                gen = a.resp / (rate * a.sampler_gpus)
+                step_sync, step_async = gen + train + sync, max(gen + sync, train)
+                lines.append(f"| {name} | {codec} | {rate * a.sampler_gpus:,.0f} | {gen:.0f} | {train:.0f} | {sync:.1f} | "
+                             f"{step_sync:.0f} | {step_async:.0f} | {step_sync / step_async:.2f}× |")
+    return "\n".join(lines)
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--beta", type=float, default=3.03, help="β fitted by bench_links.py (dense, its M)")
@@ -180,6 +212,9 @@ def parse(argv=None):
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--gpu-flops", type=float, default=989e12)
     ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--gen-tokens-per-s", type=float, default=12500.0,
+                    help="the sampler's output tokens/s per GPU (vLLM, bf16; the module docstring's source)")
+    ap.add_argument("--sampler-gpus", type=int, default=1, help="GPUs generating side by side (data-parallel vLLM)")
     a = ap.parse_args(argv)
     a.n, a.resp = workload(a)    # the drawn batch's token slots a pass and response tokens
     return a
@@ -191,6 +226,8 @@ def main(argv=None) -> None:
     print(f"{a.layout}: N = {a.n / 1e6:.2f} M token slots a pass ({a.n / seqs:.0f} a sequence), "
           f"{a.resp / 1e6:.2f} M response tokens ({a.resp / seqs:.0f} a sequence)\n")
     print(table(a))
+    print(f"\nWith generation: {a.resp / 1e6:.2f} M response tokens a step on {a.sampler_gpus} sampler GPU(s)\n")
+    print(generation_table(a))
 
 
 if __name__ == "__main__":
