@@ -6,6 +6,12 @@ others it holds nothing and only receives what rank 0 broadcasts (the batch, the
 log-probs). Rank 0 uses every core while it generates: the other ranks are idle in the next
 collective meanwhile. Everything random is keyed by (seed, step), so a resumed run replays the same
 batches and samples.
+
+With `rollout.staleness` = k > 0 the sampler runs in a process of its own (sampler/process.py) and
+a step's batch is asked for ahead: batch j is generated from θ_max(0, j−k), the weights the sampler
+holds after the sync that precedes the request (`request`), while the pipeline trains the steps
+before it. The batches asked for and not yet trained on travel in the checkpoint (`ahead_state`),
+so a resumed run trains on the same batches as the uninterrupted one.
 """
 import os
 import time
@@ -21,6 +27,7 @@ from .data import build_task, step_rows
 from .grpo.advantages import group_advantages
 from .grpo.rollouts import Rollout
 from .sampler import build_sampler
+from .sampler.process import SamplerProcess
 from .sampler.hf import greedy_scores
 from .sampler.reference import ReferenceLogProbs, pack, unpack
 from .sync.weight_sync import WeightSync, dump_for_tests
@@ -32,12 +39,13 @@ class RolloutSide:
         self.tc, self.tokenizer = tc, tokenizer
         self.task = build_task(tc.data, tokenizer) if sampling else None
         self.sampler = self.reference = None
+        self.ahead: dict[int, int | Rollout] = {}   # step → the sampler's ticket, or the finished batch
         if sampling:
             for split, n in self.task.left_out.items():
                 if n:
                     print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
                           f"{tc.data.max_prompt_len} tokens", flush=True)
-            self.sampler = build_sampler(model_dir, tc)
+            self.sampler = SamplerProcess(model_dir, tc) if tc.rollout.staleness else build_sampler(model_dir, tc)
             self.reference = (ReferenceLogProbs(model_dir, tc.model.attn_implementation)
                               if tc.grpo.ref_logprobs == "sampler" else None)
 
@@ -68,14 +76,48 @@ class RolloutSide:
         sent = comm.nbytes(every) * (dist.get_world_size() - 1) + comm.nbytes(tokens) * (len(ends) - 1)
         return join_rollout(every, tokens), sent
 
-    def _sample(self, t: int) -> Rollout:
-        slow_point("sample", t)
+    def _rows_and_request(self, t: int):
+        """Step t's prompt rows and the sampler's generate request for them: (rows, args, kwargs)."""
         g = self.tc.grpo
         rows = self.task.train.select(step_rows(len(self.task.train), g.prompts_per_step, self.tc.train.seed, t))
+        return rows, ([self.task.prompt(p) for p in rows["problem"]], g.group_size), \
+            dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, seed=self.tc.train.seed * 1_000_003 + t)
+
+    def request(self, t: int) -> None:
+        """Ask the sampler process for step t's batch now (rank 0, rollout.staleness > 0); it is
+        generated after what was sent before, from the weights loaded last."""
+        if self.sampler is not None and t < self.tc.train.steps and t not in self.ahead:
+            _, args, kwargs = self._rows_and_request(t)
+            self.ahead[t] = self.sampler.submit("generate", *args, **kwargs)
+
+    def ahead_state(self) -> dict:
+        """The batches asked for and not yet trained on, finished (scored), for the checkpoint:
+        {step: the Rollout's tensors}; {} off rank 0 or with rollout.staleness = 0."""
+        for t in sorted(self.ahead):
+            if not isinstance(self.ahead[t], Rollout):
+                self.ahead[t] = self._finish(t, self.sampler.result(self.ahead[t]))
+        return {t: r.tensors() for t, r in self.ahead.items()}
+
+    def restore_ahead(self, state: dict) -> None:
+        """The batches `ahead_state` saved, as this run's batches of those steps (rank 0: the other
+        replicas of stage 0 read the same checkpoint file, and hold no sampler)."""
+        if self.sampler is not None:
+            self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state.items()})
+
+    def _sample(self, t: int) -> Rollout:
+        slow_point("sample", t)
+        if self.tc.rollout.staleness:
+            got = self.ahead.pop(t)
+            return got if isinstance(got, Rollout) else self._finish(t, self.sampler.result(got))
+        _, args, kwargs = self._rows_and_request(t)
         with all_threads():
-            gen = self.sampler.generate([self.task.prompt(p) for p in rows["problem"]], g.group_size,
-                                        max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                        seed=self.tc.train.seed * 1_000_003 + t)
+            gen = self.sampler.generate(*args, **kwargs)
+        return self._finish(t, gen)
+
+    def _finish(self, t: int, gen) -> Rollout:
+        """Step t's generation scored: rewards, group advantages, sample ids."""
+        g = self.tc.grpo
+        rows, _, _ = self._rows_and_request(t)
         answers = [a for a in rows["answer"] for _ in range(g.group_size)]
         rewards = torch.tensor(self.task.score(gen.texts, answers))
         return Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,

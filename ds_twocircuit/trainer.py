@@ -13,6 +13,8 @@
             ─► pipeline train_batch per PPO mini-batch, the optimizer step in its order
                (pipeline/step_order.py) ─► θ_{t+1}                                     (actor.py)
             ─► dense weights to the sampler (sync/) ─► the step's row on rank 0      (step_log.py)
+            [rollout.staleness = k] the sampler, in its own process, is asked for step t+1+k's batch
+               right after the sync, so it generates while the pipeline trains (rollout_side.py)
 
 A dense step (`train.dense_every`, or the drift controller's) runs every pass of its step with the
 codec off and steps its gradient without the anchor's sign correction (exact, it needs none); with `control.*` on, the controller (control.py) reads the probe and sets β and which
@@ -65,7 +67,7 @@ class Trainer:
         if tc.codec.name == "lowrank":
             initial_bases(p, self.rollouts.calibration(p.micro))
         self.checkpoints = Checkpointer(p.engine, run_dir, tc.train.keep_checkpoints)
-        self.start, held_fire = self.checkpoints.load(tc.anchor.enabled) if resume else (0, None)
+        self.start, held_fire, ahead = self.checkpoints.load(tc.anchor.enabled) if resume else (0, None, {})
         self.log = StepLog(run, run_dir, self.start, resume) if dist.get_rank() == 0 else NoStepLog()
         if dist.get_rank() == 0:
             provenance.record(run_dir, start or provenance.start_of(model_dir), self.start, dist.get_world_size())
@@ -76,6 +78,9 @@ class Trainer:
         self.anchor, self.sign = self._anchor(run, held_fire, shapes) if tc.anchor.enabled else (None, None)
         self.weight_sync = WeightSync(p.engine.grid, p.pipe, getattr(torch, tc.sampler.dtype), shapes)
         self.theta, _ = self.sync_sampler(self.start)   # the sampler starts from the pipeline's weights
+        self.rollouts.restore_ahead(ahead)
+        for j in range(self.start, self.start + tc.rollout.staleness + 1) if tc.rollout.staleness else ():
+            self.rollouts.request(j)                    # batches start … start+k: from θ_start (or restored)
 
     def _anchor(self, run: RunConfig, held_fire: int | None, shapes) -> tuple[AnchorLink, dict | None]:
         """The anchor process's link, restored to the fire held at the checkpoint; → (it, the held sign(M))."""
@@ -114,7 +119,7 @@ class Trainer:
             if done % train.eval_every == 0 or done == steps:
                 self.evaluate(done)
             if (train.save_every and done % train.save_every == 0) or done == steps:
-                self.checkpoints.save(done, self.anchor.held if self.anchor else -1)
+                self.checkpoints.save(done, self.anchor.held if self.anchor else -1, self.rollouts.ahead_state())
                 if self.anchor:
                     self.anchor.checkpointed(done)
                 self.checkpoints.prune()
@@ -170,6 +175,8 @@ class Trainer:
         sums = telemetry.sum_to_rank0(partials)
         t3 = time.perf_counter()
         self.theta, sync_row = self.sync_sampler(t + 1)
+        if self.tc.rollout.staleness:   # step t+1+k's batch, from θ_{t+1}, generated while t+1 … trains
+            self.rollouts.request(t + 1 + self.tc.rollout.staleness)
         if self.anchor:
             self.anchor.collect()
         t4 = time.perf_counter()
@@ -185,6 +192,7 @@ class Trainer:
                 **telemetry.reference_bytes(ref_NT1, rollout.resp_NT1), "rollout/bytes": float(rollout_bytes),
                 **response_lengths(rollout, self.eos_ids, g.max_new_tokens),
                 "actor/grad_norm": grad_norm, "actor/lr": p.engine.get_lr()[0],
+                **({"rollout/staleness": float(min(t, self.tc.rollout.staleness))} if self.tc.rollout.staleness else {}),
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "train/skipped_step": float(verdict.skipped),
                 "train/nonfinite_stage": float(min(verdict.stages)) if verdict.stages else -1.0,

@@ -63,10 +63,10 @@ about a fifth of the weight bytes and a quarter of the KV bytes per token; the t
 that rate. With the training step's serial time `train` (compute, boundaries, reference, anchor) and
 the weight sync's transfer `sync`:
 
-    sync   gen + train + sync                  today's loop: generate, train, then sync
-    async  max(gen + sync, train)              rollout.staleness ≥ 1: the sampler generates step t+1
-                                               on θ_t while the pipeline trains step t; the weights
-                                               land between two generations
+    sync   gen + train + sync                  rollout.staleness = 0: generate, train, then sync
+    async  sync + max(gen, train)              rollout.staleness ≥ 1: the sampler generates step
+                                               t+1+k's batch from θ_{t+1} while the pipeline trains
+                                               step t+1; the sync, which both wait for, is on the path
 
 The anchor is bounded by compute, not bytes: one device replaying a whole batch densely takes
 (S / anchor devices) × the step's compute, so its cadence c cannot be below S/A. The compute-matched
@@ -177,7 +177,7 @@ def generation_table(a) -> str:
             train, sync = t["compute"] + t["boundaries"] + t["ref"] + t["anchor"], t["sync (delta)"]
             for rate in (a.gen_tokens_per_s, 4 * a.gen_tokens_per_s):
                 gen = a.resp / (rate * a.sampler_gpus)
-                step_sync, step_async = gen + train + sync, max(gen + sync, train)
+                step_sync, step_async = gen + train + sync, sync + max(gen, train)
                 lines.append(f"| {name} | {codec} | {rate * a.sampler_gpus:,.0f} | {gen:.0f} | {train:.0f} | {sync:.1f} | "
                              f"{step_sync:.0f} | {step_async:.0f} | {step_sync / step_async:.2f}× |")
     return "\n".join(lines)

@@ -4,9 +4,9 @@ and with the correction on, its weights.
     python notebooks/correction_table.py RUN_DIR [RUN_DIR ...] [--steps 100]
 
 Each run's metrics.jsonl (or the campaign's kept metrics.jsonl.gz) up to --steps; one markdown row
-per run: the mean over probe steps of mismatch/numerics_kl, mismatch/codec_kl and their
-*_logp_diff, and rollout_corr/kl over the same steps (numerics + codec add up to it on the probe's
-mini-batch); with the correction on, the mean over all steps of rollout_is_mean,
+per run: the mean over probe steps (dense steps left out: the codec is off there) of
+mismatch/numerics_kl, mismatch/codec_kl and their *_logp_diff, and rollout_corr/kl over the same
+steps (numerics + codec add up to it with one PPO mini-batch: the split is the first mini-batch's); with the correction on, the mean over all steps of rollout_is_mean,
 rollout_is_eff_sample_size, rollout_is_ratio_fraction_high and rollout_rs_masked_fraction, and the
 largest rollout_is_max.
 """
@@ -33,7 +33,7 @@ def mean(rows: list[dict], key: str) -> float:
 
 def row(run: pathlib.Path, steps: int) -> str:
     rows = rows_of(run, steps)
-    probed = [r for r in rows if "mismatch/codec_kl" in r]
+    probed = [r for r in rows if "mismatch/codec_kl" in r and not r.get("train/dense_step")]   # codec on
     split = " | ".join(f"{mean(probed, k):.3g}" for k in (*SPLIT, "rollout_corr/kl"))
     if "rollout_corr/rollout_is_mean" in rows[0]:
         weights = " | ".join(f"{mean(rows, k):.3g}" for k in WEIGHTS)

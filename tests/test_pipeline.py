@@ -106,6 +106,27 @@ def test_the_rollout_correction_against_a_dense_fp32_sampler_is_the_uncorrected_
     assert "mismatch/codec_kl" not in on[1]                                   # probe steps only
 
 
+def test_the_correction_and_the_split_over_replicas_and_left_out_groups(tiny_model, tmp_path):
+    """4 stages × 2 replicas, zero-advantage groups left out (β = 0), a probe every step, codec off:
+    each replica's last stage holds half the batch and only the kept rows enter its passes, yet the
+    token weights behind every metric sum to 1 over both replicas' kept tokens, so the weights' mean
+    is 1 within the fp32 gap (a replica's share miscounted makes it 0.5 or 2), the largest weight is
+    read from both replicas' slots, and on every probe step the split, mapped from the probe's whole
+    shard to the kept rows, puts the whole gap in the numerics: the codec's share is float order alone
+    (the update's passes batch the kept rows, the probe's the whole shard: measured |Δ| 1e-7, bound
+    1e-5; misaligned rows would read other tokens' log-probs, nats apart), and numerics + codec =
+    rollout_corr/kl."""
+    launch(8, tmp_path, stages(4), "grpo.kl_coef=0", "grpo.skip_zero_advantage=true",
+           "grpo.rollout_correction.enabled=true", "train.steps=3", "train.probe_every=1")
+    r = rows(tmp_path)
+    assert any(x["train/skipped_groups"] > 0 for x in r), "no group left out: the test exercises nothing"
+    for x in r:
+        assert abs(x["rollout_corr/rollout_is_mean"] - 1) < 1e-5 and abs(x["rollout_corr/rollout_is_max"] - 1) < 1e-5
+        assert x["mismatch/codec_logp_diff"] < 1e-5 and x["mismatch/numerics_logp_diff"] < 1e-5, x["step"]
+        assert math.isclose(x["mismatch/numerics_kl"] + x["mismatch/codec_kl"], x["rollout_corr/kl"], rel_tol=1e-4,
+                            abs_tol=1e-9), x["step"]
+
+
 def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
     """`latest` names a sealed checkpoint (one manifest per rank); one flipped byte in a layer file
     and `--resume` stops with one line naming that file, before any process group or new row."""

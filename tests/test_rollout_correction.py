@@ -48,14 +48,15 @@ def verl_rejection(old, rollout, mask, token=None, seq_mean=None):
 
 
 def batch(seed=0, B=12, T=9, spread=0.8):
-    """Ragged responses, π_old off μ by N(0, spread) nats."""
+    """Ragged responses, π_old off μ by N(0, spread) nats; as in a real batch, π_old holds log-probs off
+    the response too (the prompt's) where μ holds zeros, which no ratio may read."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.zeros(B, T)
     for i in range(B):
         lo = int(torch.randint(0, 3, (1,), generator=g))
         mask[i, lo:lo + int(torch.randint(1, T - lo + 1, (1,), generator=g))] = 1.0
     behav = -torch.rand(B, T, generator=g) * 3 * mask
-    old = (behav + spread * torch.randn(B, T, generator=g)) * mask
+    old = behav + spread * torch.randn(B, T, generator=g) * mask - 2.0 * (1 - mask)
     return old, behav, mask
 
 

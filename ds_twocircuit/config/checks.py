@@ -59,6 +59,10 @@ def validate(tc: TwoCircuitConfig, ds: dict, world_size: int, read_data: bool = 
                           f"{', and control.enabled moves it' if tc.control.enabled else ''}): a zero-advantage "
                           "sequence's gradient is exactly zero only without the KL term")
     check_correction(g.rollout_correction)
+    if tc.rollout.staleness and tc.sampler.backend == "vllm":
+        raise ConfigError(f"rollout.staleness={tc.rollout.staleness} with sampler.backend='vllm': the sampler's own "
+                          "process runs the HF backend only for now (a vLLM engine there is not tested); use "
+                          "sampler.backend=hf or rollout.staleness=0")
     if g.temperature <= 0:
         raise ConfigError(f"grpo.temperature={g.temperature}: must be > 0")
     if tc.data.max_prompt_len < 1:

@@ -99,8 +99,8 @@ class RolloutCorrectionConfig:
                         "min(π_old/μ, rollout_is_threshold); off: the loss ignores μ")
     rollout_is_threshold: float = opt(2.0, "C, the truncation of the per-token weight (verl's name and default)", lo=1)
     rollout_rs_token: list[float] = opt([], "[lo, hi]: a token whose π_old/μ leaves it is left out of the policy "
-                                        "gradient (IcePop-style; verl's rollout_rs=token_k1 bounds [1/hi, 1/lo]); "
-                                        "[]: none")
+                                        "gradient, still counted in the token mean (IcePop-style; verl's "
+                                        "rollout_rs=token_k1 with bounds [1/hi, 1/lo] also uncounts it); []: none")
     rollout_rs_geometric: list[float] = opt([], "[lo, hi]: a sequence whose geometric-mean ratio exp(mean log "
                                             "π_old/μ) leaves it is left out whole (verl's seq_mean_k1); []: none")
 
@@ -125,11 +125,20 @@ class GRPOConfig:
     share_prompts: bool = opt(False, "each cut sends a group's prompt columns once, not G times (their hidden "
                               "states are the same under causal attention; with a codec, one code per group); "
                               "needs train_micro_batch_size_per_gpu to be a multiple of group_size")
-    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig, "the sampler's log-probs as the "
-                                                      "behaviour policy (off by default)")
     skip_zero_advantage: bool = opt(False, "leave the sequences of groups whose rewards are all equal (advantage "
                                     "exactly 0) out of the pipeline's update passes; their gradient is exactly 0 "
                                     "only at grpo.kl_coef=0, which it requires")
+    rollout_correction: RolloutCorrectionConfig = opt(RolloutCorrectionConfig, "the sampler's log-probs as the "
+                                                      "behaviour policy (off by default)")
+
+
+@dataclass
+class RolloutConfig:
+    """How far generation runs ahead of training."""
+    staleness: int = opt(0, "k: the sampler, in a process of its own, generates step t+k's batch while the pipeline "
+                         "trains step t, from the newest weights it holds (batch j from θ_max(0, j−k)); 0: generate, "
+                         "train, sync in turn (in the trainer's process). With k > 0 the loss's π_old is the trainer's "
+                         "and μ is k steps older: grpo.rollout_correction corrects for it", lo=0)
 
 
 @dataclass
@@ -236,6 +245,7 @@ class TwoCircuitConfig:
     model: ModelConfig = opt(ModelConfig, "the model and its stages")
     data: DataConfig = opt(DataConfig, "the data")
     grpo: GRPOConfig = opt(GRPOConfig, "the objective")
+    rollout: RolloutConfig = opt(RolloutConfig, "generation ahead of training")
     train: TrainConfig = opt(TrainConfig, "the run")
     codec: CodecConfig = opt(CodecConfig, "the boundary codec")
     anchor: AnchorConfig = opt(AnchorConfig, "the anchor circuit")

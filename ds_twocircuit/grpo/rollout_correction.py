@@ -18,9 +18,11 @@ whose bounds verl states on μ/π_old (its k1 = −log r): our [lo, hi] on π_ol
 Plain sequence-level IS (Π_t r_t) is not offered: on long responses a small per-token bias
 compounds to a weight near 0 or C.
 
-A rejected token's policy-gradient term is 0 but it stays in the token mean's count (the mini-batch's
-response tokens, as for left-out zero-advantage sequences), so rejection never enlarges the other
-tokens' step; the KL term to the reference is not reweighted. With μ = π_old every weight is 1 and
+One deviation from verl, on purpose: a rejected token's policy-gradient term is 0 but it stays in
+the token mean's count (the mini-batch's response tokens, as for left-out zero-advantage sequences)
+and keeps its KL term, so rejection never enlarges the other tokens' step. verl's rollout_rs removes
+rejected tokens from the response mask, hence from the denominator and the KL term too (its IcePop
+mode, a "lo_hi" rollout_is_threshold, zeroes the weight and keeps the count, as here). With μ = π_old every weight is 1 and
 nothing is rejected at bounds around 1.
 """
 import math

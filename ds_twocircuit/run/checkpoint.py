@@ -144,17 +144,18 @@ class Checkpointer:
     def __init__(self, engine, run_dir: pathlib.Path, keep: int):
         self.engine, self.dir, self.keep = engine, run_dir / "checkpoints", keep
 
-    def save(self, done: int, anchor_fire: int) -> None:
+    def save(self, done: int, anchor_fire: int, ahead: dict | None = None) -> None:
         """DeepSpeed's save, each rank sealing the files it wrote, then named by `latest` (every rank
-        calls it; `anchor_fire`: the fire the anchor holds, −1 without one)."""
+        calls it; `anchor_fire`: the fire the anchor holds, −1 without one; `ahead`: rank 0's batches
+        generated ahead and not yet trained on, kept in its own client state)."""
         import torch.distributed as dist
 
         from ..pipeline import comm
         tag = f"step{done}"
         fault_point("save", done)
         with recording_writes(self.engine.checkpoint_engine) as written:
-            self.engine.save_checkpoint(str(self.dir), tag=tag, client_state={"step": done, "anchor_fire": anchor_fire},
-                                        save_latest=False)
+            client = {"step": done, "anchor_fire": anchor_fire, **({"rollouts_ahead": ahead} if ahead else {})}
+            self.engine.save_checkpoint(str(self.dir), tag=tag, client_state=client, save_latest=False)
         if written:
             seal(self.dir / tag, f"rank{dist.get_rank()}", written)
         comm.barrier()
@@ -171,11 +172,12 @@ class Checkpointer:
         latest = (self.dir / "latest").read_text().strip() if (self.dir / "latest").is_file() else ""
         return prune(self.dir, self.keep, {latest})
 
-    def load(self, anchored: bool) -> tuple[int, int | None]:
-        """→ (steps done, the anchor fire held then; None without an anchor or from a checkpoint that
-        did not record it)."""
+    def load(self, anchored: bool) -> tuple[int, int | None, dict]:
+        """→ (steps done, the anchor fire held then (None without an anchor or from a checkpoint that
+        did not record it), the batches generated ahead that this rank saved ({} but on rank 0 with
+        rollout.staleness > 0))."""
         if not (self.dir / "latest").is_file():
             raise ValueError(f"--resume: no checkpoint under {self.dir}")
         _, client = self.engine.load_checkpoint(str(self.dir))
         fire = client.get("anchor_fire")
-        return int(client["step"]), (int(fire) if fire is not None and anchored else None)
+        return int(client["step"]), (int(fire) if fire is not None and anchored else None), client.get("rollouts_ahead", {})
