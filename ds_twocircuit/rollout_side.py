@@ -99,9 +99,10 @@ class RolloutSide:
         return {t: r.tensors() for t, r in self.ahead.items()}
 
     def restore_ahead(self, state: dict) -> None:
-        """The batches `ahead_state` saved, as this run's batches of those steps (rank 0: the other
-        replicas of stage 0 read the same checkpoint file, and hold no sampler)."""
-        if self.sampler is not None:
+        """The batches `ahead_state` saved, as this run's batches of those steps (rank 0, with
+        rollout.staleness > 0: the other replicas of stage 0 read the same checkpoint file, and hold no
+        sampler; a run resumed at k = 0 generates each step's batch anew)."""
+        if self.sampler is not None and self.tc.rollout.staleness:
             self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state.items()})
 
     def _sample(self, t: int) -> Rollout:

@@ -14,14 +14,16 @@ it yet). If the child dies, the next `result` raises with its exit code instead 
 """
 import os
 import queue
-import threading
+import signal
 
 import torch
 
 
 def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> None:
     """The child: build the configured backend, then answer (ticket, method, args, kwargs) in order;
-    exit when the trainer's process is gone (killed, it cannot send "close")."""
+    exit when the trainer's process is gone (killed, it cannot send "close"). Ctrl-C reaches the
+    whole process group: the trainer handles it (run/interrupt.py) and closes the child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     from . import build_sampler
     sampler = build_sampler(model_dir, tc)
@@ -55,7 +57,7 @@ class SamplerProcess:
         self.proc = ctx.Process(target=_serve, args=(model_dir, tc, threads, os.getpid(), self.requests, self.replies),
                                 name="ds_twocircuit-sampler", daemon=True)
         self.proc.start()
-        self.next_ticket, self.done, self.lock = 0, {}, threading.Lock()
+        self.next_ticket, self.done = 0, {}
         self.shapes = self.result(self.submit("weight_shapes"))
 
     def submit(self, method: str, *args, **kwargs) -> int:
