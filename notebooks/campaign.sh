@@ -2,7 +2,8 @@
 # The long-run campaign: dense, frontier_wide.json and prf95.json with the anchor every step (c = K = 1),
 # from one fixed starting model, the same batch and savings for all, one run at a time (2 cores).
 #   notebooks/campaign.sh COMMIT START_DIR STEPS NAME [NAME ...]   (NAME: dense_s0, frontier_s1, prf95_s0,
-#                                                                  frontier_rc_s0: with the rollout correction, ...)
+#                                                                  frontier_rc_s0: with the rollout correction,
+#                                                                  frontier_k1rc_s0: a step ahead with it, ...)
 # Every run of a campaign runs the code of COMMIT, from a git worktree of it (so the checkout can move
 # on meanwhile, and each run's provenance.json records COMMIT, clean). Runs go under runs/campaign/NAME;
 # a finished one (its eval.jsonl has step STEPS) is not run again, an interrupted one resumes from its
@@ -23,12 +24,17 @@ declare -A RECIPES=(
   [prf95]="ds_configs/prf95.json"
   [frontier_rc]="ds_configs/frontier_wide.json"
   [prf95_rc]="ds_configs/prf95.json"
+  [frontier_k1]="ds_configs/frontier_wide.json"
+  [frontier_k1rc]="ds_configs/frontier_wide.json"
 )
-# a recipe's own overrides: the rollout correction on, micro-batches never trimmed (what the campaign's
-# commit did, so that these runs differ from its runs by the correction alone: notebooks/LOG.md)
+# a recipe's own overrides: the rollout correction on, the sampler a step ahead, micro-batches never
+# trimmed (what the campaign's commit did, so that these runs differ from its runs by those alone:
+# notebooks/LOG.md)
 declare -A EXTRA=(
   [frontier_rc]="grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
   [prf95_rc]="grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
+  [frontier_k1]="rollout.staleness=1 train.trim_micro_batches=never"
+  [frontier_k1rc]="rollout.staleness=1 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
 )
 for name in "$@"; do
   recipe=${name%_s*} seed=${name##*_s}
