@@ -138,3 +138,33 @@ def test_response_lengths_with_several_eos_ids():
     assert response_lengths(r, {8, 9}, 3)["response_length/clip_ratio"] == pytest.approx(1 / 3)
     assert response_lengths(r, [9, 8], 3)["response_length/clip_ratio"] == pytest.approx(1 / 3)
     assert response_lengths(r, 9, 3)["response_length/clip_ratio"] == pytest.approx(2 / 3)
+
+
+def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_model):
+    """rollout.staleness's sampler process: a weight load sent between two generations lands between
+    them (the first samples the old weights, the second the new, seeded draws equal the in-process
+    sampler's), a load the trainer does not wait for still raises at the next answer, and close ends it."""
+    from ds_twocircuit.config import load_config
+    from ds_twocircuit.sampler.process import SamplerProcess
+    from conftest import TINY
+    tc = load_config(str(TINY), [], world_size=8).tc
+    local, sp = HFSampler(str(tiny_model)), SamplerProcess(str(tiny_model), tc, threads=1)
+    try:
+        old = sp.submit("generate", PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        held = sp.held_weights()
+        moved = {n: w + 0.05 * torch.randn_like(w) for n, w in held.items()}
+        assert sp.load_weights(moved, None) == sum(w.numel() * w.element_size() for w in moved.values())
+        new = sp.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        want_old = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        local.load_weights(moved)
+        want_new = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        torch.testing.assert_close(sp.result(old).logp_NT1, want_old.logp_NT1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new.logp_NT1, want_new.logp_NT1, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(want_old.logp_NT1, want_new.logp_NT1)
+        name = next(iter(held))
+        sp.load_weights({name: torch.zeros(3, 5, 7)}, None)          # no shape a copy_ can take
+        with pytest.raises(RuntimeError, match="failed to load weights"):
+            sp.generate(PROMPTS, 1, max_new_tokens=2, seed=0)
+    finally:
+        sp.close()
+    assert sp.proc.exitcode == 0

@@ -57,7 +57,7 @@ class SamplerProcess:
         self.proc = ctx.Process(target=_serve, args=(model_dir, tc, threads, os.getpid(), self.requests, self.replies),
                                 name="ds_twocircuit-sampler", daemon=True)
         self.proc.start()
-        self.next_ticket, self.done = 0, {}
+        self.next_ticket, self.done, self.unread = 0, {}, set()   # unread: loads nobody waits for
         self.shapes = self.result(self.submit("weight_shapes"))
 
     def submit(self, method: str, *args, **kwargs) -> int:
@@ -76,6 +76,11 @@ class SamplerProcess:
                     raise RuntimeError(f"the sampler process exited with code {self.proc.exitcode} "
                                        f"before answering request {ticket}") from None
                 continue
+            if got in self.unread:           # a weight load: its answer is only read for an error
+                self.unread.discard(got)
+                if error is not None:
+                    raise RuntimeError(f"the sampler process failed to load weights: {error}")
+                continue
             self.done[got] = (out, error)
         out, error = self.done.pop(ticket)
         if error is not None:
@@ -86,9 +91,10 @@ class SamplerProcess:
         return self.result(self.submit("generate", prompts, n, **kwargs))
 
     def load_weights(self, weights, changed: set[str] | None = None) -> int:
-        """Queued behind the generations already asked for; → the bytes sent (the changed tensors')."""
+        """Queued behind the generations already asked for, not waited for (a failure raises at the
+        next answer read); → the bytes sent (the changed tensors')."""
         sent = {n: t.detach().clone() for n, t in weights.items() if changed is None or n in changed}
-        self.submit("load_weights", sent, None)
+        self.unread.add(self.submit("load_weights", sent, None))
         return sum(t.numel() * t.element_size() for t in sent.values())
 
     def weight_shapes(self) -> dict:
@@ -98,11 +104,10 @@ class SamplerProcess:
         return self.result(self.submit("held_weights"))
 
     def close(self) -> None:
+        """Ask the child to stop after what it was sent, and wait for it to exit; answers not yet read
+        are dropped (a tensor in one cannot be rebuilt once its sender has exited)."""
         if self.proc.is_alive():
-            try:
-                self.result(self.submit("close"))
-            except RuntimeError:
-                pass
+            self.submit("close")
         self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.kill()
