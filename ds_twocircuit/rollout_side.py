@@ -85,8 +85,10 @@ class RolloutSide:
 
     def request(self, t: int) -> None:
         """Ask the sampler process for step t's batch now (rank 0, rollout.staleness > 0); it is
-        generated after what was sent before, from the weights loaded last."""
-        if self.sampler is not None and t < self.tc.train.steps and t not in self.ahead:
+        generated after what was sent before, from the weights loaded last. Also past train.steps: a
+        run resumed with more steps must find those batches made from the weights a longer run
+        would have made them from (the last k + 1 generations of a run are spent on that)."""
+        if self.sampler is not None and t not in self.ahead:
             _, args, kwargs = self._rows_and_request(t)
             self.ahead[t] = self.sampler.submit("generate", *args, **kwargs)
 

@@ -150,11 +150,13 @@ def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_mod
     tc = load_config(str(TINY), [], world_size=8).tc
     local, sp = HFSampler(str(tiny_model)), SamplerProcess(str(tiny_model), tc, threads=1)
     try:
-        old = sp.submit("generate", PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
-        held = sp.held_weights()
+        held = {n: w.detach().clone() for n, w in local.model.named_parameters()}
         moved = {n: w + 0.05 * torch.randn_like(w) for n, w in held.items()}
+        # back to back: the load is sent while the first generation may still be queued or running
+        old = sp.submit("generate", PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
         assert sp.load_weights(moved, None) == sum(w.numel() * w.element_size() for w in moved.values())
         new = sp.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        assert all(torch.equal(sp.held_weights()[n], moved[n]) for n in moved)
         want_old = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
         local.load_weights(moved)
         want_new = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)

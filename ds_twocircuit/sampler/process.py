@@ -8,43 +8,86 @@ whatever the timing. `submit` sends a request and returns at once (the trainer a
 batch, then trains step t); `result` waits for its answer. The blocking `Sampler` methods are
 submit + result, so the held-out evaluation runs through it unchanged.
 
-Weights cross as copies of the changed tensors (a queue shares a tensor's storage instead of copying
-it, and the trainer's mirror is updated in place by the next sync while the child may not have read
-it yet). If the child dies, the next `result` raises with its exit code instead of waiting forever.
+Both directions are pipes written in the caller's own thread, so a message that cannot be sent
+raises where it was sent, never silently; a thread reads the child's answers as they come, so the
+child never waits for the trainer to read. Weights cross as one flat shared-memory buffer per dtype
+(a queue of a few hundred tensors would hold as many file descriptors). Answers come in request
+order, so an answer that skips a request means that request was lost: that raises. If the child
+dies, `result` raises with its exit code; if the trainer's process dies (a kill, Ctrl-C's immediate
+exit), the child is killed with it (Linux's parent-death signal) or stops at its next read.
 """
+import ctypes
 import os
 import queue
 import signal
+import threading
 
 import torch
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent exits (Linux); elsewhere the next read's EOF stops it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:          # the parent died before the signal was armed
+        os._exit(1)
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> tuple[list, dict]:
+    """name → tensor as one flat buffer per dtype: ([(name, dtype, shape, offset)], {dtype: flat})."""
+    index, flat = [], {}
+    for dtype in sorted({t.dtype for t in tensors.values()}, key=str):
+        named = [(n, t) for n, t in tensors.items() if t.dtype == dtype]
+        offset = 0
+        for n, t in named:
+            index.append((n, dtype, tuple(t.shape), offset))
+            offset += t.numel()
+        flat[dtype] = torch.cat([t.detach().reshape(-1) for _, t in named]) if named else torch.empty(0, dtype=dtype)
+    return index, flat
+
+
+def unpack(index: list, flat: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, dtype, shape, offset in index:
+        numel = int(torch.Size(shape).numel())
+        out[n] = flat[dtype][offset:offset + numel].view(shape)
+    return out
+
 
 def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> None:
-    """The child: build the configured backend, then answer (ticket, method, args, kwargs) in order;
-    exit when the trainer's process is gone (killed, it cannot send "close"). Ctrl-C reaches the
-    whole process group: the trainer handles it (run/interrupt.py) and closes the child."""
+    """The child: build the configured backend, then answer (ticket, method, args, kwargs) in order
+    until "close" or the trainer's end of the pipe closes. Ctrl-C reaches the whole process group;
+    the trainer handles it, and the child goes with the trainer."""
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     from . import build_sampler
     sampler = build_sampler(model_dir, tc)
     while True:
         try:
-            ticket, method, args, kwargs = requests.get(timeout=5.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-            continue
+            ticket, method, args, kwargs = requests.recv()
+        except EOFError:
+            return
         if method == "close":
             sampler.close()
-            replies.put((ticket, None, None))
             return
         try:
+            if method == "load_weights":
+                args = (unpack(*args[0]), *args[1:])
             out = getattr(sampler, method)(*args, **kwargs)
             if method == "held_weights":
                 out = {n: t.detach().clone() for n, t in out.items()} if out is not None else None
-            replies.put((ticket, out, None))
+            reply = (ticket, out, None)
         except Exception as e:       # reported to the caller, which raises it
-            replies.put((ticket, None, f"{type(e).__name__}: {e}"))
+            reply = (ticket, None, f"{type(e).__name__}: {e}")
+        try:
+            replies.send(reply)
+        except Exception as e:       # an answer that cannot be sent is still an answer: its error
+            replies.send((ticket, None, f"the answer could not be sent: {type(e).__name__}: {e}"))
 
 
 class SamplerProcess:
@@ -52,30 +95,46 @@ class SamplerProcess:
         """`threads`: torch threads the child generates with (default: every core, as rank 0's
         generation uses them)."""
         ctx = torch.multiprocessing.get_context("spawn")
-        self.requests, self.replies = ctx.Queue(), ctx.Queue()
+        child_requests, self.requests = ctx.Pipe(duplex=False)
+        self.replies, child_replies = ctx.Pipe(duplex=False)
         threads = threads or int(os.environ.get("DS_TWOCIRCUIT_GEN_THREADS", os.cpu_count() or 1))
-        self.proc = ctx.Process(target=_serve, args=(model_dir, tc, threads, os.getpid(), self.requests, self.replies),
+        self.proc = ctx.Process(target=_serve, args=(model_dir, tc, threads, os.getpid(), child_requests, child_replies),
                                 name="ds_twocircuit-sampler", daemon=True)
         self.proc.start()
+        child_requests.close()           # the child's ends: its exit then reads as EOF here
+        child_replies.close()
         self.next_ticket, self.done, self.unread = 0, {}, set()   # unread: loads nobody waits for
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name="sampler-answers", daemon=True).start()
         self.shapes = self.result(self.submit("weight_shapes"))
+
+    def _read(self) -> None:
+        """Every answer into `answers` as it comes; None once the child's end is closed (it exited)."""
+        try:
+            while True:
+                self.answers.put(self.replies.recv())
+        except (EOFError, OSError):
+            self.answers.put(None)
 
     def submit(self, method: str, *args, **kwargs) -> int:
         """Send a request; → its ticket."""
         ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
-        self.requests.put((ticket, method, args, kwargs))
+        self.requests.send((ticket, method, args, kwargs))
         return ticket
 
     def result(self, ticket: int):
         """The answer to `ticket` (answers come in order; earlier ones are kept for their callers)."""
         while ticket not in self.done:
-            try:
-                got, out, error = self.replies.get(timeout=5.0)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"the sampler process exited with code {self.proc.exitcode} "
-                                       f"before answering request {ticket}") from None
-                continue
+            item = self.answers.get()
+            if item is None:
+                self.answers.put(None)       # for any later caller
+                self.proc.join(timeout=5)
+                raise RuntimeError(f"the sampler process exited (code {self.proc.exitcode}) before answering "
+                                   f"request {ticket}")
+            got, out, error = item
+            lost = sorted(u for u in self.unread if u < got) + ([ticket] if ticket < got else [])
+            if lost:
+                raise RuntimeError(f"the sampler process answered request {got} but never request(s) {lost}")
             if got in self.unread:           # a weight load: its answer is only read for an error
                 self.unread.discard(got)
                 if error is not None:
@@ -93,8 +152,8 @@ class SamplerProcess:
     def load_weights(self, weights, changed: set[str] | None = None) -> int:
         """Queued behind the generations already asked for, not waited for (a failure raises at the
         next answer read); → the bytes sent (the changed tensors')."""
-        sent = {n: t.detach().clone() for n, t in weights.items() if changed is None or n in changed}
-        self.unread.add(self.submit("load_weights", sent, None))
+        sent = {n: t for n, t in weights.items() if changed is None or n in changed}
+        self.unread.add(self.submit("load_weights", pack(sent), None))
         return sum(t.numel() * t.element_size() for t in sent.values())
 
     def weight_shapes(self) -> dict:
@@ -105,9 +164,12 @@ class SamplerProcess:
 
     def close(self) -> None:
         """Ask the child to stop after what it was sent, and wait for it to exit; answers not yet read
-        are dropped (a tensor in one cannot be rebuilt once its sender has exited)."""
+        are dropped."""
         if self.proc.is_alive():
-            self.submit("close")
+            try:
+                self.submit("close")
+            except OSError:
+                pass
         self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.kill()
