@@ -76,11 +76,15 @@ class RolloutSide:
         sent = comm.nbytes(every) * (dist.get_world_size() - 1) + comm.nbytes(tokens) * (len(ends) - 1)
         return join_rollout(every, tokens), sent
 
-    def _rows_and_request(self, t: int):
-        """Step t's prompt rows and the sampler's generate request for them: (rows, args, kwargs)."""
+    def _rows(self, t: int):
+        """Step t's prompt rows (keyed by the seed and t)."""
+        return self.task.train.select(step_rows(len(self.task.train), self.tc.grpo.prompts_per_step,
+                                                self.tc.train.seed, t))
+
+    def _request(self, rows, t: int):
+        """The sampler's generate request for step t's rows: (args, kwargs)."""
         g = self.tc.grpo
-        rows = self.task.train.select(step_rows(len(self.task.train), g.prompts_per_step, self.tc.train.seed, t))
-        return rows, ([self.task.prompt(p) for p in rows["problem"]], g.group_size), \
+        return ([self.task.prompt(p) for p in rows["problem"]], g.group_size), \
             dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, seed=self.tc.train.seed * 1_000_003 + t)
 
     def request(self, t: int) -> None:
@@ -89,7 +93,7 @@ class RolloutSide:
         run resumed with more steps must find those batches made from the weights a longer run
         would have made them from (the last k + 1 generations of a run are spent on that)."""
         if self.sampler is not None and t not in self.ahead:
-            _, args, kwargs = self._rows_and_request(t)
+            args, kwargs = self._request(self._rows(t), t)
             self.ahead[t] = self.sampler.submit("generate", *args, **kwargs)
 
     def ahead_state(self) -> dict:
@@ -97,7 +101,7 @@ class RolloutSide:
         {step: the Rollout's tensors}; {} off rank 0 or with rollout.staleness = 0."""
         for t in sorted(self.ahead):
             if not isinstance(self.ahead[t], Rollout):
-                self.ahead[t] = self._finish(t, self.sampler.result(self.ahead[t]))
+                self.ahead[t] = self._finish(self._rows(t), self.sampler.result(self.ahead[t]))
         return {t: r.tensors() for t, r in self.ahead.items()}
 
     def restore_ahead(self, state: dict) -> None:
@@ -111,16 +115,16 @@ class RolloutSide:
         slow_point("sample", t)
         if self.tc.rollout.staleness:
             got = self.ahead.pop(t)
-            return got if isinstance(got, Rollout) else self._finish(t, self.sampler.result(got))
-        _, args, kwargs = self._rows_and_request(t)
+            return got if isinstance(got, Rollout) else self._finish(self._rows(t), self.sampler.result(got))
+        rows = self._rows(t)
+        args, kwargs = self._request(rows, t)
         with all_threads():
             gen = self.sampler.generate(*args, **kwargs)
-        return self._finish(t, gen)
+        return self._finish(rows, gen)
 
-    def _finish(self, t: int, gen) -> Rollout:
-        """Step t's generation scored: rewards, group advantages, sample ids."""
+    def _finish(self, rows, gen) -> Rollout:
+        """A step's generation for its `rows` scored: rewards, group advantages, sample ids."""
         g = self.tc.grpo
-        rows, _, _ = self._rows_and_request(t)
         answers = [a for a in rows["answer"] for _ in range(g.group_size)]
         rewards = torch.tensor(self.task.score(gen.texts, answers))
         return Rollout(gen.ids_NT, gen.attn_NT, gen.resp_NT1, gen.logp_NT1, rewards,

@@ -38,7 +38,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> tuple[list, dict]:
-    """name → tensor as one flat buffer per dtype: ([(name, dtype, shape, offset)], {dtype: flat})."""
+    """name → tensor as one flat host buffer per dtype: ([(name, dtype, shape, offset)], {dtype: flat}).
+    On the host whatever device a tensor is on (rank 0's own stage on a GPU): the buffer crosses to the
+    sampler's process as shared host memory."""
     index, flat = [], {}
     for dtype in sorted({t.dtype for t in tensors.values()}, key=str):
         named = [(n, t) for n, t in tensors.items() if t.dtype == dtype]
@@ -46,7 +48,7 @@ def pack(tensors: dict[str, torch.Tensor]) -> tuple[list, dict]:
         for n, t in named:
             index.append((n, dtype, tuple(t.shape), offset))
             offset += t.numel()
-        flat[dtype] = torch.cat([t.detach().reshape(-1) for _, t in named]) if named else torch.empty(0, dtype=dtype)
+        flat[dtype] = torch.cat([t.detach().reshape(-1).to("cpu") for _, t in named])
     return index, flat
 
 
