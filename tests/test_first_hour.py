@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -119,6 +120,36 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_to_go_on(tiny_model,
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4, 5, 6]
     ids = [d.name.rsplit("-", 1)[1] for d in sorted((run / "wandb").glob("offline-run-*"))]
     assert len(set(ids)) == 2 and ids[-1] == (run / "wandb" / "run_id").read_text()   # offline: a run per start
+
+
+CHILD = """
+import os, pathlib, sys
+from ds_twocircuit.run import interrupt
+interrupt.install(pathlib.Path(sys.argv[1]), ["launch/train.py", "--run-dir", sys.argv[1]], report=True)
+print("ready", flush=True)
+os.read(os.pipe()[0], 1)                                      # blocked in C, as in a collective's wait
+"""
+
+
+def test_the_launchers_sigterm_right_behind_the_sigint_waits_for_rank_0s_line(tmp_path):
+    """DeepSpeed's launcher answers a Ctrl-C by sending SIGTERM to every rank at once, so rank 0 can
+    get it while it is still writing its line: sent back to back (SIGINT first, as the terminal's
+    reaches the ranks before the launcher's can), the line is still written, once, and the status is
+    SIGINT's. A SIGTERM alone ends rank 0 silently with SIGTERM's status (another rank failed)."""
+    def child():
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout.readline() == "ready\n", p.communicate()
+        return p
+    p = child()
+    os.kill(p.pid, signal.SIGINT)
+    os.kill(p.pid, signal.SIGTERM)
+    err = p.communicate(timeout=30)[1]
+    assert p.returncode == 128 + signal.SIGINT, (p.returncode, err)
+    assert err.count("[train] stopped by SIGINT before its first step") == 1, err
+    p = child()
+    p.send_signal(signal.SIGTERM)
+    assert p.communicate(timeout=30)[1] == "" and p.returncode == 128 + signal.SIGTERM
 
 
 def documented_user_command() -> list[str]:

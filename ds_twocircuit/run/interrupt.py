@@ -10,8 +10,12 @@ run/files.py), so nothing needs to be flushed first.
 
 A rank blocked in C (a collective's wait, a device sync) runs no Python signal handler until the
 call returns, so the signal also wakes a watcher thread (`signal.set_wakeup_fd`), which acts while
-the main thread is blocked. SIGTERM keeps its default: DeepSpeed's launcher sends it to the other
-ranks when one fails, and they should end at once and silently, as before.
+the main thread is blocked. SIGTERM ends a rank silently, as its default does: DeepSpeed's launcher
+sends it to every rank when one fails, and also the instant it gets a Ctrl-C itself. The ranks
+other than 0 keep the default. Rank 0 handles it, so that the launcher's SIGTERM, which can land
+while rank 0 is still writing its line, waits for the line: the terminal's SIGINT reached rank 0
+before the launcher could send anything, and both paths (Python's handlers, run in signal-number
+order, and the watcher, reading the bytes in arrival order) see SIGINT first.
 """
 import os
 import pathlib
@@ -35,15 +39,24 @@ def install(run_dir: pathlib.Path, argv: list[str], report: bool) -> None:
                 os.write(2, f"\n{line}\n".encode())
         finally:
             os._exit(128 + signal.SIGINT)
+
+    def end(*_):
+        if _once.acquire(blocking=False):   # else the SIGINT path holds it and exits once its line is out
+            os._exit(128 + signal.SIGTERM)
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     signal.signal(signal.SIGINT, stop)     # a Python handler is what makes the C handler write the fd
+    if report:
+        signal.signal(signal.SIGTERM, end)
 
     def watch():
-        while signal.SIGINT not in os.read(read, 64):
-            pass
-        stop()
+        while True:
+            got = os.read(read, 64)
+            if signal.SIGINT in got:
+                return stop()
+            if report and signal.SIGTERM in got:
+                return end()
     threading.Thread(target=watch, name="sigint-watch", daemon=True).start()
 
 
