@@ -26,6 +26,8 @@ declare -A RECIPES=(
   [prf95_rc]="ds_configs/prf95.json"
   [frontier_k1]="ds_configs/frontier_wide.json"
   [frontier_k1rc]="ds_configs/frontier_wide.json"
+  [frontier_k2]="ds_configs/frontier_wide.json"
+  [frontier_k2rc]="ds_configs/frontier_wide.json"
 )
 # a recipe's own overrides: the rollout correction on, the sampler a step ahead, micro-batches never
 # trimmed (what the campaign's commit did, so that these runs differ from its runs by those alone:
@@ -35,6 +37,8 @@ declare -A EXTRA=(
   [prf95_rc]="grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
   [frontier_k1]="rollout.staleness=1 train.trim_micro_batches=never"
   [frontier_k1rc]="rollout.staleness=1 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
+  [frontier_k2]="rollout.staleness=2 train.trim_micro_batches=never"
+  [frontier_k2rc]="rollout.staleness=2 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
 )
 for name in "$@"; do
   recipe=${name%_s*} seed=${name##*_s}
