@@ -25,7 +25,7 @@ from .grpo.loss import LossCoefs, k3_kl
 from .grpo.rollouts import Rollout, nonzero_advantage_rows
 from .pipeline.guard import FiniteGuard, Verdict
 from .grpo.rollout_correction import CORRECTION_SUMS, correction_sums, largest_weight
-from .metrics.health import MISMATCH_SUMS, SPLIT_SUMS, mismatch_split, mismatch_sums
+from .metrics.health import MISMATCH_SUMS, SPLIT_SUMS, STALENESS_SUMS, mismatch_split, mismatch_sums
 from .pipeline.step_order import install_step_hooks
 from .pipeline.wire import WireCount, WireCounter
 
@@ -35,6 +35,7 @@ class Probe:
     partials: dict[str, float]                 # probe/... sums (metrics/telemetry.py) and its forward bytes
     grads: dict[str, torch.Tensor] | None      # the dense gradient by HF name (per-parameter precision only)
     dense_logp: torch.Tensor | None = None     # the last stage's codec-off log-probs of the shard, (N, T−1)
+    rescored_logp: torch.Tensor | None = None  # the sampler's log-probs of the shard at θ_t (sampler ahead), (N, T−1)
 
 
 @dataclass
@@ -83,13 +84,16 @@ class Actor:
             yield StepCounts(stack.enter_context(self.wire.counting()), stack.enter_context(self.p.codec.counting()),
                              stack.enter_context(correcting), stack.enter_context(self.guard.checking(t)))
 
-    def probe(self, shard: tuple[Rollout, float], sampler_ref: torch.Tensor | None, coefs: LossCoefs) -> Probe:
+    def probe(self, shard: tuple[Rollout, float], sampler_ref: torch.Tensor | None, coefs: LossCoefs,
+              rescored: torch.Tensor | None = None) -> Probe:
         """Codec off, current weights, the step's first mini-batch: the dense log-probs of the
         sampled tokens (→ probe/rollout_corr/*, the mismatch without the codec's part) and of the
         reference (→ probe/actor/kl_loss, the true drift the controller reads, in every precision);
         with per-parameter gradients also the dense gradient, which the optimizer's hooks compare
         with the compressed and the corrected one (grad/cos_*), and the dense entropy. Its wire
-        bytes are kept apart. The reference log-probs come from the sampler's rank when it sent them."""
+        bytes are kept apart. The reference log-probs come from the sampler's rank when it sent them;
+        `rescored`: with the sampler ahead, its log-probs of the shard's tokens at θ_t (on every rank),
+        kept for the gap's split."""
         p, (mb, ntok) = self.p, shard
         w = mb.resp_NT1 / max(ntok, 1.0)
         grads, view = None, {}
@@ -102,7 +106,8 @@ class Actor:
                 view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
         values = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **view} if p.last_stage else None
         partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
-        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads, dense if p.last_stage else None)
+        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads, dense if p.last_stage else None,
+                     rescored)
 
     def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None, sampler_refs, kept,
                coefs: LossCoefs, sign, ppo_epochs: int) -> tuple[dict, float, Verdict]:
@@ -184,14 +189,16 @@ class Actor:
 
     def _split_partials(self, probe: Probe, shards, kept, olds, rows0) -> dict:
         """The first mini-batch's sampler–trainer gap by source (health.mismatch_split), on the tokens
-        of it that entered the update: the probe's codec-off log-probs between the sampler's and π_old."""
-        values = None
+        of it that entered the update: the probe's codec-off log-probs between the sampler's and π_old
+        (and, with the sampler ahead, its log-probs at θ_t between its own and the probe's)."""
+        values, rescored = None, probe.rescored_logp
+        pick = (lambda x: x) if rows0 is None else (lambda x: x[rows0.clamp(min=0)])
         if self.p.last_stage:
-            dense = probe.dense_logp if rows0 is None else probe.dense_logp[rows0.clamp(min=0)]
             mb, ntok = shards[0]
             count = kept[0] if kept is not None else ntok       # the first mini-batch's updated tokens
-            values = mismatch_split(mb.sampler_logp_NT1, dense, olds[0], mb.resp_NT1 / max(count, 1.0))
-        return telemetry.owned(SPLIT_SUMS, values)
+            values = mismatch_split(mb.sampler_logp_NT1, pick(probe.dense_logp), olds[0], mb.resp_NT1 / max(count, 1.0),
+                                    pick(rescored) if rescored is not None else None)
+        return telemetry.owned(SPLIT_SUMS + (STALENESS_SUMS if rescored is not None else []), values)
 
 
 def _token_means(shards, kept) -> list[torch.Tensor]:

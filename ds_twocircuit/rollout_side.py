@@ -11,7 +11,9 @@ With `rollout.staleness` = k > 0 the sampler runs in a process of its own (sampl
 a step's batch is asked for ahead: batch j is generated from θ_max(0, j−k), the weights the sampler
 holds after the sync that precedes the request (`request`), while the pipeline trains the steps
 before it. The batches asked for and not yet trained on travel in the checkpoint (`ahead_state`),
-so a resumed run trains on the same batches as the uninterrupted one.
+so a resumed run trains on the same batches as the uninterrupted one. A probe step's batch t is also
+scored again by the sampler at θ_t, the weights the step trains from (`request`'s `rescore`), which
+separates the gap's staleness from the sampler's numerics (metrics/health.py, `mismatch_split`).
 """
 import os
 import time
@@ -40,6 +42,7 @@ class RolloutSide:
         self.task = build_task(tc.data, tokenizer) if sampling else None
         self.sampler = self.reference = None
         self.ahead: dict[int, int | Rollout] = {}   # step → the sampler's ticket, or the finished batch
+        self.rescored: dict[int, int | torch.Tensor] = {}   # step → the ticket, or its log-probs at θ_step
         if sampling:
             for split, n in self.task.left_out.items():
                 if n:
@@ -87,35 +90,57 @@ class RolloutSide:
         return ([self.task.prompt(p) for p in rows["problem"]], g.group_size), \
             dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, seed=self.tc.train.seed * 1_000_003 + t)
 
-    def request(self, t: int) -> None:
+    def request(self, t: int, rescore: int | None = None) -> None:
         """Ask the sampler process for step t's batch now (rank 0, rollout.staleness > 0); it is
         generated after what was sent before, from the weights loaded last. Also past train.steps: a
         run resumed with more steps must find those batches made from the weights a longer run
-        would have made them from (the last k + 1 generations of a run are spent on that)."""
-        if self.sampler is not None and t not in self.ahead:
+        would have made them from (the last k + 1 generations of a run are spent on that).
+        `rescore`: a step whose batch the sampler scores first, at the weights loaded last (step
+        t − k, asked right after the sync that loaded θ_{t−k}; its batch is waited for, which its step
+        would do next anyway)."""
+        if self.sampler is None:
+            return
+        if rescore is not None and rescore not in self.rescored:
+            r = self._finished(rescore)
+            self.rescored[rescore] = self.sampler.submit("score", r.ids_NT, r.attn_NT, r.resp_NT1,
+                                                         self.tc.grpo.temperature)
+        if t not in self.ahead:
             args, kwargs = self._request(self._rows(t), t)
             self.ahead[t] = self.sampler.submit("generate", *args, **kwargs)
 
+    def _finished(self, t: int) -> Rollout:
+        """Step t's batch from the sampler process, scored (waited for once, then kept)."""
+        if not isinstance(self.ahead[t], Rollout):
+            self.ahead[t] = self._finish(self._rows(t), self.sampler.result(self.ahead[t]))
+        return self.ahead[t]
+
     def ahead_state(self) -> dict:
-        """The batches asked for and not yet trained on, finished (scored), for the checkpoint:
-        {step: the Rollout's tensors}; {} off rank 0 or with rollout.staleness = 0."""
-        for t in sorted(self.ahead):
-            if not isinstance(self.ahead[t], Rollout):
-                self.ahead[t] = self._finish(self._rows(t), self.sampler.result(self.ahead[t]))
-        return {t: r.tensors() for t, r in self.ahead.items()}
+        """The batches asked for and not yet trained on, finished (scored), and the rescorings asked
+        for, for the checkpoint: {"batches": {step: the Rollout's tensors}, "rescored": {step: (N, T−1)}};
+        {} off rank 0 or with rollout.staleness = 0."""
+        if not self.ahead:
+            return {}
+        rescored = {t: self._rescored(t) for t in sorted(self.rescored)}
+        return {"batches": {t: self._finished(t).tensors() for t in sorted(self.ahead)}, "rescored": rescored}
 
     def restore_ahead(self, state: dict) -> None:
-        """The batches `ahead_state` saved, as this run's batches of those steps (rank 0, with
+        """What `ahead_state` saved, as this run's batches of those steps (rank 0, with
         rollout.staleness > 0: the other replicas of stage 0 read the same checkpoint file, and hold no
         sampler; a run resumed at k = 0 generates each step's batch anew)."""
-        if self.sampler is not None and self.tc.rollout.staleness:
-            self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state.items()})
+        if self.sampler is not None and self.tc.rollout.staleness and state:
+            self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state["batches"].items()})
+            self.rescored.update({int(t): logp for t, logp in state["rescored"].items()})
+
+    def _rescored(self, t: int) -> torch.Tensor:
+        if not isinstance(self.rescored[t], torch.Tensor):
+            self.rescored[t] = self.sampler.result(self.rescored[t])
+        return self.rescored[t]
 
     def _sample(self, t: int) -> Rollout:
         slow_point("sample", t)
         if self.tc.rollout.staleness:
-            got = self.ahead.pop(t)
-            return got if isinstance(got, Rollout) else self._finish(self._rows(t), self.sampler.result(got))
+            self._finished(t)
+            return self.ahead.pop(t)
         rows = self._rows(t)
         args, kwargs = self._request(rows, t)
         with all_threads():
@@ -141,6 +166,17 @@ class RolloutSide:
                 flat = pack(self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature), r.resp_NT1)
         else:
             flat = torch.empty(int((r.resp_NT1 > 0).sum()))
+        return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
+
+    def rescored_logprobs(self, r: Rollout, t: int, needed: bool) -> torch.Tensor | None:
+        """With rollout.staleness > 0 and `needed` (a probe step): the sampler's log-probs of step t's
+        sampled tokens at θ_t (`request`'s rescore), (N, T−1), on every rank; only the response tokens'
+        floats are broadcast. None otherwise."""
+        if not self.tc.rollout.staleness or not needed:
+            return None
+        flat = pack(self._rescored(t), r.resp_NT1) if self.sampler is not None else \
+            torch.empty(int((r.resp_NT1 > 0).sum()))
+        self.rescored.pop(t, None)
         return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
 
     def sync(self, weight_sync: WeightSync, ships: bool) -> tuple[dict | None, dict]:

@@ -80,7 +80,7 @@ class Trainer:
         self.theta, _ = self.sync_sampler(self.start)   # the sampler starts from the pipeline's weights
         self.rollouts.restore_ahead(ahead)
         for j in range(self.start, self.start + tc.rollout.staleness + 1) if tc.rollout.staleness else ():
-            self.rollouts.request(j)                    # batches start … start+k: from θ_start (or restored)
+            self.request(j)                             # batches start … start+k: from θ_start (or restored)
 
     def _anchor(self, run: RunConfig, held_fire: int | None, shapes) -> tuple[AnchorLink, dict | None]:
         """The anchor process's link, restored to the fire held at the checkpoint; → (it, the held sign(M))."""
@@ -152,6 +152,7 @@ class Trainer:
         t0 = time.perf_counter()
         rollout, rollout_bytes = self.rollouts.rollout(t, p.ends, p.ends_group)
         ref_NT1 = self.rollouts.reference_logprobs(rollout, needed=self.coefs.kl_coef > 0 or self.probe_step(t))
+        now_NT1 = self.rollouts.rescored_logprobs(rollout, t, needed=self.probe_step(t))
         t1 = time.perf_counter()
         anchor_row = {}
         if self.anchor:
@@ -164,7 +165,8 @@ class Trainer:
         shards = minibatch_shards(rollout, g.ppo_mini_batches, p.dp, p.dp_rank)
         refs = [ref_NT1[s] for s in shard_slices(len(ref_NT1), g.ppo_mini_batches, p.dp, p.dp_rank)] \
             if ref_NT1 is not None else None
-        probe = self.actor.probe(shards[0], refs[0] if refs else None, self.coefs) if self.probe_step(t) else None
+        now = now_NT1[shard_slices(len(now_NT1), g.ppo_mini_batches, p.dp, p.dp_rank)[0]] if now_NT1 is not None else None
+        probe = self.actor.probe(shards[0], refs[0] if refs else None, self.coefs, now) if self.probe_step(t) else None
         dense = self.dense_step(t)
         kept = nonzero_advantage_tokens(rollout, g.ppo_mini_batches) if g.skip_zero_advantage else None
         # a dense step runs every pass uncompressed and steps its true gradient: the sign correction,
@@ -176,7 +178,7 @@ class Trainer:
         t3 = time.perf_counter()
         self.theta, sync_row = self.sync_sampler(t + 1)
         if self.tc.rollout.staleness:   # step t+1+k's batch, from θ_{t+1}, generated while t+1 … trains
-            self.rollouts.request(t + 1 + self.tc.rollout.staleness)
+            self.request(t + 1 + self.tc.rollout.staleness)
         if self.anchor:
             self.anchor.collect()
         t4 = time.perf_counter()
@@ -198,6 +200,12 @@ class Trainer:
                 "train/nonfinite_stage": float(min(verdict.stages)) if verdict.stages else -1.0,
                 "timing/gen": t1 - t0, "timing/anchor": t2 - t1, "timing/train": t3 - t2, "timing/sync": t4 - t3,
                 "timing/step": t4 - t0, **sync_row}, verdict
+
+    def request(self, j: int) -> None:
+        """Step j's batch asked of the sampler process; first, when step j − k probes, that step's batch
+        rescored at θ_{j−k}, the weights the sampler holds now (the staleness's share of the gap)."""
+        t = j - self.tc.rollout.staleness
+        self.rollouts.request(j, rescore=t if t >= self.start and self.probe_step(t) else None)
 
     def probe_step(self, t: int) -> bool:
         return bool(self.tc.train.probe_every) and t % self.tc.train.probe_every == 0

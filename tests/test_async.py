@@ -14,9 +14,9 @@ from conftest import assert_resumed_rows, launch, rows, weights
 
 pytestmark = pytest.mark.dist
 
-# k = 1 with the rollout correction, six steps, a checkpoint every two
+# k = 1 with the rollout correction, six steps, a checkpoint every two, a probe every two
 AHEAD = ("rollout.staleness=1", "grpo.rollout_correction.enabled=true", "train.steps=6", "train.save_every=2",
-         "train.eval_every=3")
+         "train.eval_every=3", "train.probe_every=2")
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +43,31 @@ def test_the_sampler_runs_a_step_ahead(ahead, eight):
     assert all(x["rollout_corr/rollout_is_eff_sample_size"] < 1 - 1e-6 for x in r[1:])
 
 
+def test_the_gap_splits_into_staleness_numerics_and_codec(ahead):
+    """On probe steps (1, 3, 5) the sampler rescored the batch at the trainer's weights: the three
+    parts add up to the gap; at step 1 (drawn from θ_0, trained at θ_0) the staleness part is float
+    summation order; after it the gap is the staleness's, the numerics' part (fp32 sampler against
+    the fp32 pipeline) stays at the dense fp32 gap, and the codec's, off in tiny.json, at 0."""
+    r = rows(ahead)
+    probed = [x for x in r if "mismatch/staleness_kl" in x]
+    assert [x["step"] for x in probed] == [1, 3, 5]
+    for x in probed:
+        parts = x["mismatch/staleness_kl"] + x["mismatch/numerics_kl"] + x["mismatch/codec_kl"]
+        assert math.isclose(parts, x["rollout_corr/kl"], rel_tol=1e-4, abs_tol=1e-7), x
+        assert x["mismatch/numerics_logp_diff"] < 1e-5 and x["mismatch/codec_logp_diff"] < 1e-5, x
+    assert probed[0]["mismatch/staleness_logp_diff"] < 1e-5
+    assert all(x["mismatch/staleness_logp_diff"] > 1e-3 for x in probed[1:]), probed
+
+
 def test_a_run_killed_with_batches_in_flight_resumes_bit_for_bit(ahead, tmp_path):
     """Rank 0 killed as the checkpoint of step 4 starts: `latest` names step 2, whose checkpoint holds
     the batches of steps 2 and 3, generated from θ_1 and θ_2 before the kill. The resumed launch
-    trains on them: rows (wall clock aside), evaluations and weights equal the uninterrupted run's."""
+    trains on them, and on step 2's rescoring at θ_2 (a probe step): rows (wall clock aside),
+    evaluations and weights equal the uninterrupted run's."""
     p = launch(8, tmp_path, *AHEAD, check=False, env={"DS_TWOCIRCUIT_KILL_AT": "save@4@0"})
     assert p.returncode != 0 and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step2"
     state = torch.load(tmp_path / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
-    assert sorted(state["rollouts_ahead"]) == [2, 3]
+    assert sorted(state["rollouts_ahead"]["batches"]) == [2, 3] and sorted(state["rollouts_ahead"]["rescored"]) == [2]
     launch(8, tmp_path, *AHEAD, resume=True)
     assert_resumed_rows(rows(ahead), rows(tmp_path), restarts={3})
     assert rows(ahead, "eval.jsonl") == rows(tmp_path, "eval.jsonl")

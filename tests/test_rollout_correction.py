@@ -137,3 +137,22 @@ def test_the_split_adds_up_to_the_gap():
     gap = float(mismatch_sums(behav, old, w)["rollout_corr/kl"])
     assert math.isclose(s["mismatch/numerics_kl"] + s["mismatch/codec_kl"], gap, rel_tol=1e-5)
     assert s["mismatch/numerics_logp_diff"] < 0.02 < s["mismatch/codec_logp_diff"]
+
+
+def test_the_split_with_the_sampler_ahead_adds_up_and_puts_each_difference_in_its_part():
+    """With the sampler's log-probs at θ_t (r) beside its own at θ_{t−k} (s): staleness (s − r) +
+    numerics (r − d) + codec (d − t) = rollout_corr/kl; a change in r moves staleness and numerics
+    against each other and leaves codec alone; without r the keys are the k = 0 split's."""
+    old, behav, mask = batch(seed=5)
+    rescored = behav + 0.05 * torch.randn_like(behav)
+    dense = rescored + 0.001 * torch.randn_like(behav)
+    w = mask / mask.sum()
+    s = {k: float(v) for k, v in mismatch_split(behav, dense, old, w, rescored).items()}
+    gap = float(mismatch_sums(behav, old, w)["rollout_corr/kl"])
+    assert math.isclose(s["mismatch/staleness_kl"] + s["mismatch/numerics_kl"] + s["mismatch/codec_kl"], gap,
+                        rel_tol=1e-5)
+    assert s["mismatch/numerics_logp_diff"] < 0.002 < 0.02 < s["mismatch/staleness_logp_diff"]
+    plain = {k: float(v) for k, v in mismatch_split(behav, dense, old, w).items()}
+    assert plain.keys() == {k for k in s if "staleness" not in k} and plain["mismatch/codec_kl"] == s["mismatch/codec_kl"]
+    assert math.isclose(plain["mismatch/numerics_kl"], s["mismatch/numerics_kl"] + s["mismatch/staleness_kl"],
+                        rel_tol=1e-5)

@@ -160,9 +160,17 @@ def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_mod
         want_old = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
         local.load_weights(moved)
         want_new = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
-        torch.testing.assert_close(sp.result(old).logp_NT1, want_old.logp_NT1, rtol=1e-5, atol=1e-6)
+        got = sp.result(old)
+        torch.testing.assert_close(got.logp_NT1, want_old.logp_NT1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(new.logp_NT1, want_new.logp_NT1, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(want_old.logp_NT1, want_new.logp_NT1)
+        # rescoring at the weights held now: one teacher-forced pass gives generate's own numbers on
+        # the tokens drawn from these weights, and the new weights' numbers on the old draw's tokens
+        now = sp.result(sp.submit("score", new.ids_NT, new.attn_NT, new.resp_NT1, TAU))
+        torch.testing.assert_close(now, new.logp_NT1, rtol=1e-5, atol=1e-5)
+        stale = sp.result(sp.submit("score", got.ids_NT, got.attn_NT, got.resp_NT1, TAU))
+        torch.testing.assert_close(stale, forward_logp(local, got, TAU)[0] * got.resp_NT1, rtol=1e-5, atol=1e-5)
+        assert (stale - got.logp_NT1).abs().max() > 1e-3
         name = next(iter(held))
         sp.load_weights({name: torch.zeros(3, 5, 7)}, None)          # no shape a copy_ can take
         with pytest.raises(RuntimeError, match="failed to load weights"):

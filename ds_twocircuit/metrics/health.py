@@ -37,9 +37,10 @@ def mismatch_sums(sampler_logp, trainer_logp, weight) -> dict[str, torch.Tensor]
 
 
 SPLIT_SUMS = ["mismatch/numerics_kl", "mismatch/codec_kl", "mismatch/numerics_logp_diff", "mismatch/codec_logp_diff"]
+STALENESS_SUMS = ["mismatch/staleness_kl", "mismatch/staleness_logp_diff"]
 
 
-def mismatch_split(sampler_logp, dense_logp, trainer_logp, weight) -> dict[str, torch.Tensor]:
+def mismatch_split(sampler_logp, dense_logp, trainer_logp, weight, rescored_logp=None) -> dict[str, torch.Tensor]:
     """The sampler–trainer gap by source, on the same tokens (weights summing to 1 over them once summed
     over ranks), with d the trainer's codec-off log-probs at the same weights (the probe's):
 
@@ -47,13 +48,27 @@ def mismatch_split(sampler_logp, dense_logp, trainer_logp, weight) -> dict[str, 
         mismatch/codec_kl    = E[d − t]      the codec's share: dense against the compressed pass
         numerics_kl + codec_kl = E[s − t]    rollout_corr/kl on these tokens, exactly up to rounding
 
-    and the mean absolute differences of each pair (k1 means can cancel; these cannot)."""
+    and the mean absolute differences of each pair (k1 means can cancel; these cannot). With the
+    sampler ahead of the trainer (`rescored_logp` r: the sampler's log-probs of the same tokens at the
+    trainer's weights θ_t, where s is at θ_{t−k}), the sampler's side splits once more:
+
+        mismatch/staleness_kl = E[s − r]     the weights the batch was drawn from against θ_t
+        mismatch/numerics_kl  = E[r − d]     then the backend and precision alone
+        staleness_kl + numerics_kl + codec_kl = E[s − t]
+
+    (r is one teacher-forced pass, s was computed a cached token at a time: at k = 0 they differ by
+    float summation order alone, which the staleness part then carries.)"""
     w = weight
     on = w > 0
-    num = torch.where(on, sampler_logp - dense_logp, torch.zeros_like(w))
-    codec = torch.where(on, dense_logp - trainer_logp, torch.zeros_like(w))
-    return {"mismatch/numerics_kl": (w * num).sum(), "mismatch/codec_kl": (w * codec).sum(),
-            "mismatch/numerics_logp_diff": (w * num.abs()).sum(), "mismatch/codec_logp_diff": (w * codec.abs()).sum()}
+    side = lambda a, b: torch.where(on, a - b, torch.zeros_like(w))
+    num = side(sampler_logp if rescored_logp is None else rescored_logp, dense_logp)
+    codec = side(dense_logp, trainer_logp)
+    out = {"mismatch/numerics_kl": (w * num).sum(), "mismatch/codec_kl": (w * codec).sum(),
+           "mismatch/numerics_logp_diff": (w * num.abs()).sum(), "mismatch/codec_logp_diff": (w * codec.abs()).sum()}
+    if rescored_logp is not None:
+        stale = side(sampler_logp, rescored_logp)
+        out.update({"mismatch/staleness_kl": (w * stale).sum(), "mismatch/staleness_logp_diff": (w * stale.abs()).sum()})
+    return out
 
 
 def finish_mismatch(m: dict[str, float]) -> dict[str, float]:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from . import Generation, eos_ids
+from .reference import response_logprobs
 
 
 class HFSampler:
@@ -79,6 +80,14 @@ class HFSampler:
             logp_NT1=torch.cat([pad, logp_NR * resp_NR], 1),
             texts=texts,
         )
+
+    def score(self, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
+              temperature: float) -> torch.Tensor:
+        """The log-probs of given sequences' response tokens under softmax(logits/τ) at the weights held
+        now, in one teacher-forced pass: (N, T−1) float32, 0 off the response. On the tokens this
+        sampler drew with the same weights they equal `generate`'s to the order of float summation
+        (one pass against a cached token at a time)."""
+        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature)
 
     def _config(self, greedy: bool, max_new_tokens: int, temperature: float) -> GenerationConfig:
         """Only what we mean: no logits processor but the temperature (top_k=0, top_p=1 disable those)."""

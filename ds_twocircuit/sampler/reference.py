@@ -25,19 +25,26 @@ class ReferenceLogProbs:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
         self.rows = rows_per_forward
-        self.head_VD = self.model.get_output_embeddings().weight
 
-    @torch.no_grad()
     def __call__(self, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
                  temperature: float) -> torch.Tensor:
         """→ (N, T−1) float32: log π_ref of ids[:, j+1] at column j on response targets, 0 elsewhere."""
-        out = []
-        for i in range(0, ids_NT.shape[0], self.rows):
-            ids, attn = ids_NT[i:i + self.rows], attn_NT[i:i + self.rows]
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)
-            h = self.model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-            out.append(head_logprobs(h[:, :-1], self.head_VD, ids[:, 1:], temperature)[0])
-        return torch.cat(out) * resp_NT1
+        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature, self.rows)
+
+
+@torch.no_grad()
+def response_logprobs(model, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
+                      temperature: float, rows: int = 64) -> torch.Tensor:
+    """An HF causal LM's log-probs of given sequences' response tokens in one teacher-forced pass (its
+    own dtype, the logits cast to fp32 as `generate`'s are), `rows` sequences a forward: (N, T−1)
+    float32, log p(ids[:, j+1]) at column j on response targets, 0 elsewhere."""
+    out, head_VD = [], model.get_output_embeddings().weight
+    for i in range(0, ids_NT.shape[0], rows):
+        ids, attn = ids_NT[i:i + rows], attn_NT[i:i + rows]
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+        out.append(head_logprobs(h[:, :-1], head_VD, ids[:, 1:], temperature)[0])
+    return torch.cat(out) * resp_NT1
 
 
 def pack(values_NT1: torch.Tensor, resp_NT1: torch.Tensor) -> torch.Tensor:
