@@ -43,6 +43,7 @@ class RolloutSide:
         self.sampler = self.reference = None
         self.ahead: dict[int, int | Rollout] = {}   # step → the sampler's ticket, or the finished batch
         self.rescored: dict[int, int | torch.Tensor] = {}   # step → the ticket, or its log-probs at θ_step
+        self.made_from: dict[int, int] = {}   # step → the θ its batch was generated from, as the child reported
         if sampling:
             for split, n in self.task.left_out.items():
                 if n:
@@ -111,24 +112,36 @@ class RolloutSide:
     def _finished(self, t: int) -> Rollout:
         """Step t's batch from the sampler process, scored (waited for once, then kept)."""
         if not isinstance(self.ahead[t], Rollout):
-            self.ahead[t] = self._finish(self._rows(t), self.sampler.result(self.ahead[t]))
+            gen, self.made_from[t] = self.sampler.answer(self.ahead[t])
+            self.ahead[t] = self._finish(self._rows(t), gen)
         return self.ahead[t]
 
+    def staleness(self, t: int) -> int:
+        """Rank 0, rollout.staleness > 0, step t's batch taken: t minus the step whose weights the
+        sampler process held when it generated it (what it reported, not what the schedule meant)."""
+        return t - self.made_from.pop(t)
+
     def ahead_state(self) -> dict:
-        """The batches asked for and not yet trained on, finished (scored), and the rescorings asked
-        for, for the checkpoint: {"batches": {step: the Rollout's tensors}, "rescored": {step: (N, T−1)}};
-        {} off rank 0 or with rollout.staleness = 0."""
+        """The batches asked for and not yet trained on, finished (scored), the weights each came from,
+        and the rescorings asked for, for the checkpoint: {"batches": {step: the Rollout's tensors},
+        "made_from": {step: the θ's step}, "rescored": {step: (N, T−1)}}; {} off rank 0 or with
+        rollout.staleness = 0."""
         if not self.ahead:
             return {}
-        rescored = {t: self._rescored(t) for t in sorted(self.rescored)}
-        return {"batches": {t: self._finished(t).tensors() for t in sorted(self.ahead)}, "rescored": rescored}
+        batches = {t: self._finished(t).tensors() for t in sorted(self.ahead)}
+        return {"batches": batches, "made_from": {t: self.made_from[t] for t in batches},
+                "rescored": {t: self._rescored(t) for t in sorted(self.rescored)}}
 
     def restore_ahead(self, state: dict) -> None:
         """What `ahead_state` saved, as this run's batches of those steps (rank 0, with
         rollout.staleness > 0: the other replicas of stage 0 read the same checkpoint file, and hold no
         sampler; a run resumed at k = 0 generates each step's batch anew)."""
         if self.sampler is not None and self.tc.rollout.staleness and state:
+            if "batches" not in state:     # the first format, batches alone: their weights as scheduled
+                k = self.tc.rollout.staleness
+                state = {"batches": state, "made_from": {t: max(0, int(t) - k) for t in state}, "rescored": {}}
             self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state["batches"].items()})
+            self.made_from.update({int(t): int(v) for t, v in state["made_from"].items()})
             self.rescored.update({int(t): logp for t, logp in state["rescored"].items()})
 
     def _rescored(self, t: int) -> torch.Tensor:
@@ -179,16 +192,18 @@ class RolloutSide:
         self.rescored.pop(t, None)
         return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
 
-    def sync(self, weight_sync: WeightSync, ships: bool) -> tuple[dict | None, dict]:
-        """The stages' weights to the sampler as deltas in its dtype (sync/weight_sync.py), every rank taking
-        part; → (on rank 0: the sampler's weights, every tensor, when `ships` (the anchor takes them),
-        else None; the sync's metrics: wire bytes and the changed fraction, the bytes the sampler
-        took in and the seconds it took), (None, {}) elsewhere."""
+    def sync(self, weight_sync: WeightSync, ships: bool, step: int) -> tuple[dict | None, dict]:
+        """The stages' weights, θ_step, to the sampler as deltas in its dtype (sync/weight_sync.py),
+        every rank taking part (the sampler process's load is tagged with `step`); → (on rank 0: the
+        sampler's weights, every tensor, when `ships` (the anchor takes them), else None; the sync's
+        metrics: wire bytes and the changed fraction, the bytes the sampler took in and the seconds
+        it took), (None, {}) elsewhere."""
         changed, row = weight_sync()
         if self.sampler is None:
             return None, {}
         t0 = time.perf_counter()
-        row["sync/sampler_bytes"] = self.sampler.load_weights(weight_sync.mirror, changed)
+        tag = {"tag": step} if self.tc.rollout.staleness else {}
+        row["sync/sampler_bytes"] = self.sampler.load_weights(weight_sync.mirror, changed, **tag)
         row["timing/sampler_load"] = time.perf_counter() - t0
         return (dict(weight_sync.mirror) if ships else None), row
 

@@ -194,7 +194,7 @@ class Trainer:
                 **telemetry.reference_bytes(ref_NT1, rollout.resp_NT1), "rollout/bytes": float(rollout_bytes),
                 **response_lengths(rollout, self.eos_ids, g.max_new_tokens),
                 "actor/grad_norm": grad_norm, "actor/lr": p.engine.get_lr()[0],
-                **({"rollout/staleness": float(min(t, self.tc.rollout.staleness))} if self.tc.rollout.staleness else {}),
+                **({"rollout/staleness": float(self.rollouts.staleness(t))} if self.tc.rollout.staleness else {}),
                 "train/dense_step": float(dense), "actor/kl_coef": self.coefs.kl_coef, **anchor_row,
                 "train/skipped_step": float(verdict.skipped),
                 "train/nonfinite_stage": float(min(verdict.stages)) if verdict.stages else -1.0,
@@ -230,7 +230,7 @@ class Trainer:
     def sync_sampler(self, next_step: int) -> tuple[dict | None, dict]:
         """The stages' weights to the sampler (rollout_side.py); → (every tensor, when the anchor ships θ
         at `next_step`, else None; the sync's metrics)."""
-        return self.rollouts.sync(self.weight_sync, bool(self.anchor and self.anchor.ships_at(next_step)))
+        return self.rollouts.sync(self.weight_sync, bool(self.anchor and self.anchor.ships_at(next_step)), next_step)
 
     def evaluate(self, step: int) -> None:
         """Held-out greedy accuracy with the sampler's dense weights (rank 0)."""

@@ -1,7 +1,7 @@
 """Step time with generation ahead of training: the same run at rollout.staleness = 0, 1, 2, side by side.
 
     python launch/bench_async.py [--ds-config ds_configs/prf95.json] [--steps 10] [--staleness 0 1 2]
-                                 [--repeats 2] [--out runs/bench_async] [-- key=value ...]
+                                 [--repeats 2] [--rate 100mbit 10mbit] [--out runs/bench_async] [-- key=value ...]
 
 Each configuration is a real `deepspeed --num_gpus 8 launch/train.py` run of --steps steps (the
 embedded model unless the overrides say otherwise; `grpo.max_new_tokens` long, so that generation
@@ -10,6 +10,11 @@ alike. Per run: the mean over steps after the first k + 1 (the sampler fills its
 `timing/step` (the whole step), `timing/gen` (the wait for the batch: the whole generation at k = 0,
 what is left of it at k > 0) and the rest of the step. Prints a markdown table and the ratio of each
 k's step time to k = 0's. The runs write to --out/<k>-<round> (overwritten).
+
+`--rate R ...` (root, iproute2): each run goes through launch/multihost.py instead, 8 hosts of one
+rank each (network namespaces on this machine), every host's egress capped at R, so that every cut
+between stages and every collective crosses a link of that rate; one table per rate, the rates
+alternated inside each round with the staleness values.
 """
 import argparse
 import json
@@ -31,13 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(a, k: int, out: pathlib.Path) -> list[dict]:
-    cmd = [DEEPSPEED, "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py", "--ds-config",
-           a.ds_config, "--run-dir", str(out), "--overwrite", f"train.steps={a.steps}", f"rollout.staleness={k}",
-           f"train.eval_every={a.steps}", "train.save_every=0", "log.wandb=false", *a.overrides]
+def run(a, k: int, out: pathlib.Path, rate: str | None = None) -> list[dict]:
+    train = ["--ds-config", a.ds_config, "--overwrite", f"train.steps={a.steps}", f"rollout.staleness={k}",
+             f"train.eval_every={a.steps}", "train.save_every=0", "log.wandb=false", *a.overrides]
+    if rate is None:
+        cmd = [DEEPSPEED, "--num_gpus", "8", "--master_port", str(free_port()), "launch/train.py", "--run-dir",
+               str(out), *train]
+    else:
+        cmd = [sys.executable, "launch/multihost.py", "--nodes", "8", "--slots", "1", "--rate", rate, "--run-dir",
+               str(out.resolve()), "--master-port", str(free_port()), "--", *train]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
-        sys.exit(f"k={k} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        sys.exit(f"k={k} {rate or ''} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
@@ -53,21 +63,29 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rate", nargs="+", help="through 8 namespaced hosts, each egress capped at each rate")
     ap.add_argument("--out", default="runs/bench_async")
     ap.add_argument("overrides", nargs="*", help="config overrides (after --)")
     a = ap.parse_args(argv)
-    got = {k: [] for k in a.staleness}
+    rates = a.rate or [None]
+    got = {(rate, k): [] for rate in rates for k in a.staleness}
     for r in range(a.repeats):
+        for rate in rates:
+            for k in a.staleness:
+                out = pathlib.Path(a.out) / f"{rate or 'direct'}-{k}-{r}"
+                got[rate, k].append(summary(run(a, k, out, rate), k))
+                print(f"round {r}, {rate or 'unshaped'}, k={k}: step {got[rate, k][-1][0]:.2f} s, waiting for the "
+                      f"batch {got[rate, k][-1][1]:.2f} s", flush=True)
+    for rate in rates:
+        base = statistics.mean(s for s, _ in got[rate, a.staleness[0]])
+        where = f"8 hosts, each egress at {rate}" if rate else "one host, unshaped"
+        print(f"\n{a.ds_config} {' '.join(a.overrides)}, {where}, {a.steps} steps, {a.repeats} rounds\n")
+        print("| rollout.staleness | step (s) | waiting for the batch (s) | rest of the step (s) | step / k=0's |")
+        print("|---|---|---|---|---|")
         for k in a.staleness:
-            got[k].append(summary(run(a, k, pathlib.Path(a.out) / f"{k}-{r}"), k))
-            print(f"round {r}, k={k}: step {got[k][-1][0]:.2f} s, waiting for the batch {got[k][-1][1]:.2f} s", flush=True)
-    base = statistics.mean(s for s, _ in got[a.staleness[0]])
-    print(f"\n{a.ds_config} {' '.join(a.overrides)}, {a.steps} steps, {a.repeats} rounds\n")
-    print("| rollout.staleness | step (s) | waiting for the batch (s) | rest of the step (s) | step / k=0's |")
-    print("|---|---|---|---|---|")
-    for k, xs in got.items():
-        step, gen = statistics.mean(s for s, _ in xs), statistics.mean(g for _, g in xs)
-        print(f"| {k} | {step:.2f} | {gen:.2f} | {step - gen:.2f} | {step / base:.2f} |")
+            xs = got[rate, k]
+            step, gen = statistics.mean(s for s, _ in xs), statistics.mean(g for _, g in xs)
+            print(f"| {k} | {step:.2f} | {gen:.2f} | {step - gen:.2f} | {step / base:.2f} |")
 
 
 if __name__ == "__main__":

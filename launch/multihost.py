@@ -1,6 +1,6 @@
 """launch/train.py across hosts, with DeepSpeed's own multi-node launcher, on hosts made on this machine.
 
-    sudo python launch/multihost.py [--nodes 2] [--slots 4] [--anchor-host] --run-dir DIR \
+    sudo python launch/multihost.py [--nodes 2] [--slots 4] [--anchor-host] [--rate 100mbit] --run-dir DIR \
         -- --ds-config ds_configs/prf95.json [key=value ...]
 
 Each host is a network namespace on one bridge (netns.py) with its own address; a hostfile names
@@ -14,7 +14,9 @@ so global ranks, their placement and the rendezvous come from DeepSpeed's launch
 2 hosts × 4 ranks: stages 0–3 on host0, 4–7 on host1, every cut between them crosses the bridge).
 `--anchor-host` adds one more host that runs the dense anchor (`anchor.external=true`, set here)
 on the run's mailbox, which the hosts share as a directory (on a cluster: a shared filesystem, or
-any file transport that carries it both ways). Every namespace, link, hostfile and process it made
+any file transport that carries it both ways). `--rate` caps every host's egress (tc's token
+bucket, as bench_links.py shapes its stages): with `--nodes 8 --slots 1` every cut between stages,
+and every collective, runs over a link of that rate. Every namespace, link, hostfile and process it made
 is removed when it ends, also on failure. Exits with the first non-zero status of a host.
 """
 import argparse
@@ -41,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--anchor-host", action="store_true", help="one more host runs the anchor (anchor.external)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--master-port", type=int, default=29511)
+    p.add_argument("--rate", help="every host's egress rate (tc units: 10mbit, 1gbit); default unshaped")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before every host is stopped")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then launch/train.py's arguments")
     a = p.parse_args(argv)
@@ -66,6 +69,7 @@ def run(a) -> int:
     prefix = f"tcm{os.getpid() % 100000}"
     procs = []
     with tempfile.TemporaryDirectory() as tmp, Namespaces(a.nodes + int(a.anchor_host), prefix, SUBNET) as net:
+        net.shape(a.rate)
         hostfile = pathlib.Path(tmp) / "hostfile"
         hostfile.write_text("".join(f"host{i} slots={a.slots}\n" for i in range(a.nodes)))
         print(f"[multihost] hostfile:\n{hostfile.read_text()}", end="", flush=True)

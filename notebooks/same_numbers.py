@@ -1,7 +1,8 @@
 """The identical-numbers check: the same seeded runs at two commits, diffed bit for bit.
 
     python notebooks/same_numbers.py BEFORE AFTER [--steps 20] [--probe-every 5] [--out runs/same_numbers]
-                                     [--recipes dense prf95 lowrank lowrank_drift rotated frontier_wide prf95_ahead]
+                                     [--recipes dense prf95 lowrank lowrank_drift rotated frontier_wide prf95_ahead
+                                                 frontier_wide_ahead]
                                      [--may-differ KEY ...] [--renamed OLD=NEW ...] [--wide-start DIR]
                                      [--after-overrides KEY=VALUE ...]
 
@@ -39,7 +40,9 @@ RECIPES = {"dense": ("dense", []), "prf95": ("prf95", []), "lowrank": ("lowrank"
            "lowrank_drift": ("lowrank_drift", ["control.enabled=true"]),
            "rotated": ("prf95", ["codec.name=rotated", "codec.fwd_bits=4", "codec.bwd_coords=40", "codec.bwd_bits=2"]),
            "frontier_wide": ("frontier_wide", ["grpo.prompts_per_step=8", "data.eval_size=256"]),
-           "prf95_ahead": ("prf95", ["rollout.staleness=1", "grpo.rollout_correction.enabled=true"])}
+           "prf95_ahead": ("prf95", ["rollout.staleness=1", "grpo.rollout_correction.enabled=true"]),
+           "frontier_wide_ahead": ("frontier_wide", ["grpo.prompts_per_step=8", "data.eval_size=256",
+                                                     "rollout.staleness=1", "grpo.rollout_correction.enabled=true"])}
 WALL_CLOCK = ("timing/", "anchor/wait", "memory/")
 # the launcher of the interpreter running this script, found without an activated venv
 DEEPSPEED = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed") or "deepspeed"

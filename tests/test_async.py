@@ -1,7 +1,7 @@
 """Generation ahead of training (rollout.staleness = k), on real DeepSpeed processes.
 
 The sampler runs in its own process and step j's batch is generated from θ_max(0, j−k) while the
-pipeline trains the steps before it; the batches asked for and not yet trained on travel in the
+pipeline trains the steps before it (`rollout/staleness` is what the sampler's process reported); the batches asked for and not yet trained on travel in the
 checkpoint, so a run killed with batches in flight and resumed continues the uninterrupted one
 bit for bit.
 """
@@ -67,7 +67,8 @@ def test_a_run_killed_with_batches_in_flight_resumes_bit_for_bit(ahead, tmp_path
     p = launch(8, tmp_path, *AHEAD, check=False, env={"DS_TWOCIRCUIT_KILL_AT": "save@4@0"})
     assert p.returncode != 0 and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step2"
     state = torch.load(tmp_path / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
-    assert sorted(state["rollouts_ahead"]["batches"]) == [2, 3] and sorted(state["rollouts_ahead"]["rescored"]) == [2]
+    held = state["rollouts_ahead"]
+    assert sorted(held["batches"]) == [2, 3] and held["made_from"] == {2: 1, 3: 2} and sorted(held["rescored"]) == [2]
     launch(8, tmp_path, *AHEAD, resume=True)
     assert_resumed_rows(rows(ahead), rows(tmp_path), restarts={3})
     assert rows(ahead, "eval.jsonl") == rows(tmp_path, "eval.jsonl")

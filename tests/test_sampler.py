@@ -143,7 +143,9 @@ def test_response_lengths_with_several_eos_ids():
 def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_model):
     """rollout.staleness's sampler process: a weight load sent between two generations lands between
     them (the first samples the old weights, the second the new, seeded draws equal the in-process
-    sampler's), a load the trainer does not wait for still raises at the next answer, and close ends it."""
+    sampler's, and each answer carries the tag of the weights it was made from), a rescoring gives
+    generate's numbers at the weights held, a load the trainer does not wait for still raises at the
+    next answer, and close ends it."""
     from ds_twocircuit.config import load_config
     from ds_twocircuit.sampler.process import SamplerProcess
     from conftest import TINY
@@ -154,13 +156,14 @@ def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_mod
         moved = {n: w + 0.05 * torch.randn_like(w) for n, w in held.items()}
         # back to back: the load is sent while the first generation may still be queued or running
         old = sp.submit("generate", PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
-        assert sp.load_weights(moved, None) == sum(w.numel() * w.element_size() for w in moved.values())
-        new = sp.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
+        assert sp.load_weights(moved, None, tag=7) == sum(w.numel() * w.element_size() for w in moved.values())
+        new, held_new = sp.answer(sp.submit("generate", PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3))
         assert all(torch.equal(sp.held_weights()[n], moved[n]) for n in moved)
         want_old = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
         local.load_weights(moved)
         want_new = local.generate(PROMPTS, 2, max_new_tokens=4, temperature=TAU, seed=3)
-        got = sp.result(old)
+        got, held_old = sp.answer(old)
+        assert held_old is None and held_new == 7       # each answer names the weights it was made from
         torch.testing.assert_close(got.logp_NT1, want_old.logp_NT1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(new.logp_NT1, want_new.logp_NT1, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(want_old.logp_NT1, want_new.logp_NT1)

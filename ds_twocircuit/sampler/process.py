@@ -12,7 +12,10 @@ Both directions are pipes written in the caller's own thread, so a message that 
 raises where it was sent, never silently; a thread reads the child's answers as they come, so the
 child never waits for the trainer to read. Weights cross as one flat shared-memory buffer per dtype
 (a queue of a few hundred tensors would hold as many file descriptors). Answers come in request
-order, so an answer that skips a request means that request was lost: that raises. If the child
+order, so an answer that skips a request means that request was lost: that raises. A weight load
+carries the trainer's tag for those weights (the step they are θ of) and every answer the tag of the
+weights the child held when it answered, so a batch's staleness is read off what the child did, not
+inferred from the order the trainer meant (`answer`). If the child
 dies, `result` raises with its exit code; if the trainer's process dies (a kill, Ctrl-C's immediate
 exit), the child is killed with it (Linux's parent-death signal) or stops at its next read.
 """
@@ -62,13 +65,15 @@ def unpack(index: list, flat: dict) -> dict[str, torch.Tensor]:
 
 def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> None:
     """The child: build the configured backend, then answer (ticket, method, args, kwargs) in order
-    until "close" or the trainer's end of the pipe closes. Ctrl-C reaches the whole process group;
-    the trainer handles it, and the child goes with the trainer."""
+    with (ticket, result, error, the tag of the weights held) until "close" or the trainer's end of
+    the pipe closes. Ctrl-C reaches the whole process group; the trainer handles it, and the child
+    goes with the trainer."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     from . import build_sampler
     sampler = build_sampler(model_dir, tc)
+    held = None                          # the tag of the last weights loaded (None: the model's own)
     while True:
         try:
             ticket, method, args, kwargs = requests.recv()
@@ -79,17 +84,19 @@ def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> 
             return
         try:
             if method == "load_weights":
-                args = (unpack(*args[0]), *args[1:])
+                args, tag = (unpack(*args[0]), args[1]), args[2]
             out = getattr(sampler, method)(*args, **kwargs)
+            if method == "load_weights":
+                held = tag
             if method == "held_weights":
                 out = {n: t.detach().clone() for n, t in out.items()} if out is not None else None
-            reply = (ticket, out, None)
+            reply = (ticket, out, None, held)
         except Exception as e:       # reported to the caller, which raises it
-            reply = (ticket, None, f"{type(e).__name__}: {e}")
+            reply = (ticket, None, f"{type(e).__name__}: {e}", held)
         try:
             replies.send(reply)
         except Exception as e:       # an answer that cannot be sent is still an answer: its error
-            replies.send((ticket, None, f"the answer could not be sent: {type(e).__name__}: {e}"))
+            replies.send((ticket, None, f"the answer could not be sent: {type(e).__name__}: {e}", held))
 
 
 class SamplerProcess:
@@ -126,6 +133,10 @@ class SamplerProcess:
 
     def result(self, ticket: int):
         """The answer to `ticket` (answers come in order; earlier ones are kept for their callers)."""
+        return self.answer(ticket)[0]
+
+    def answer(self, ticket: int) -> tuple:
+        """(the answer to `ticket`, the tag of the weights the child held when it answered)."""
         while ticket not in self.done:
             item = self.answers.get()
             if item is None:
@@ -133,7 +144,7 @@ class SamplerProcess:
                 self.proc.join(timeout=5)
                 raise RuntimeError(f"the sampler process exited (code {self.proc.exitcode}) before answering "
                                    f"request {ticket}")
-            got, out, error = item
+            got, out, error, held = item
             lost = sorted(u for u in self.unread if u < got) + ([ticket] if ticket < got else [])
             if lost:
                 raise RuntimeError(f"the sampler process answered request {got} but never request(s) {lost}")
@@ -142,20 +153,21 @@ class SamplerProcess:
                 if error is not None:
                     raise RuntimeError(f"the sampler process failed to load weights: {error}")
                 continue
-            self.done[got] = (out, error)
-        out, error = self.done.pop(ticket)
+            self.done[got] = (out, error, held)
+        out, error, held = self.done.pop(ticket)
         if error is not None:
             raise RuntimeError(f"the sampler process failed: {error}")
-        return out
+        return out, held
 
     def generate(self, prompts, n: int = 1, **kwargs):
         return self.result(self.submit("generate", prompts, n, **kwargs))
 
-    def load_weights(self, weights, changed: set[str] | None = None) -> int:
+    def load_weights(self, weights, changed: set[str] | None = None, tag: int | None = None) -> int:
         """Queued behind the generations already asked for, not waited for (a failure raises at the
-        next answer read); → the bytes sent (the changed tensors')."""
+        next answer read); `tag`: what the answers after it report as the weights held (the trainer:
+        the step they are θ of). → the bytes sent (the changed tensors')."""
         sent = {n: t for n, t in weights.items() if changed is None or n in changed}
-        self.unread.add(self.submit("load_weights", pack(sent), None))
+        self.unread.add(self.submit("load_weights", pack(sent), None, tag))
         return sum(t.numel() * t.element_size() for t in sent.values())
 
     def weight_shapes(self) -> dict:
