@@ -21,7 +21,8 @@ KEY=VALUE ...`: config overrides for AFTER's runs only (a switch the change adde
 old code did); those runs are kept apart, under OUT/<sha>+<overrides>.
 Eval rows (the keys both sides wrote) and weights may never differ. `--renamed OLD=NEW ...`: metrics the change renamed, all at
 once (two may swap names); BEFORE's rows are read under the new names, so the values still compare
-bit for bit. `frontier_wide` runs the wide recipe from a fixed HF start (`--wide-start DIR`) at 8
+bit for bit. `frontier_wide` (and `frontier_wide_ahead`, the same a step ahead with the rollout
+correction) runs the wide recipe from a fixed HF start (`--wide-start DIR`) at 8
 prompts a step and 256 held-out rows: the same check at a tenth of the recipe's cost.
 """
 import argparse
@@ -86,9 +87,9 @@ def run_commit(sha: str, recipes: list[str], a, overrides: list[str] = ()) -> No
                    "launch/train.py", "--ds-config", f"ds_configs/{RECIPES[recipe][0]}.json", "--run-dir", str(run_dir),
                    f"train.steps={a.steps}", f"train.probe_every={a.probe_every}", f"train.eval_every={a.steps}",
                    "log.wandb=false", *RECIPES[recipe][1], *overrides]
-            if recipe == "frontier_wide":
+            if RECIPES[recipe][0] == "frontier_wide":
                 if not a.wide_start:
-                    sys.exit("frontier_wide needs --wide-start DIR (an HF export of the wide model to start from)")
+                    sys.exit(f"{recipe} needs --wide-start DIR (an HF export of the wide model to start from)")
                 cmd.append(f"model.path={pathlib.Path(a.wide_start).resolve()}")
             print(f"[{sha[:8]}] {recipe}: {' '.join(cmd[5:])}", flush=True)
             # cwd and PYTHONPATH: the worktree's package, for the trainer and the anchor it starts
