@@ -42,7 +42,7 @@ class RolloutSide:
         self.task = build_task(tc.data, tokenizer) if sampling else None
         self.sampler = self.reference = None
         self.ahead: dict[int, int | Rollout] = {}   # step → the sampler's ticket, or the finished batch
-        self.rescored: dict[int, int | torch.Tensor] = {}   # step → the ticket, or its log-probs at θ_step
+        self.rescored: dict[int, int] = {}    # step → the ticket of its batch's rescoring at θ_step
         self.made_from: dict[int, int] = {}   # step → the θ its batch was generated from, as the child reported
         if sampling:
             for split, n in self.task.left_out.items():
@@ -122,15 +122,14 @@ class RolloutSide:
         return t - self.made_from.pop(t)
 
     def ahead_state(self) -> dict:
-        """The batches asked for and not yet trained on, finished (scored), the weights each came from,
-        and the rescorings asked for, for the checkpoint: {"batches": {step: the Rollout's tensors},
-        "made_from": {step: the θ's step}, "rescored": {step: (N, T−1)}}; {} off rank 0 or with
-        rollout.staleness = 0."""
+        """The batches asked for and not yet trained on, finished (scored), and the weights each came
+        from, for the checkpoint: {"batches": {step: the Rollout's tensors}, "made_from": {step: the
+        θ's step}}; {} off rank 0 or with rollout.staleness = 0. A rescoring in flight is not kept:
+        the resumed run asks for it again at init, at the same θ_start."""
         if not self.ahead:
             return {}
         batches = {t: self._finished(t).tensors() for t in sorted(self.ahead)}
-        return {"batches": batches, "made_from": {t: self.made_from[t] for t in batches},
-                "rescored": {t: self._rescored(t) for t in sorted(self.rescored)}}
+        return {"batches": batches, "made_from": {t: self.made_from[t] for t in batches}}
 
     def restore_ahead(self, state: dict) -> None:
         """What `ahead_state` saved, as this run's batches of those steps (rank 0, with
@@ -139,15 +138,16 @@ class RolloutSide:
         if self.sampler is not None and self.tc.rollout.staleness and state:
             if "batches" not in state:     # the first format, batches alone: their weights as scheduled
                 k = self.tc.rollout.staleness
-                state = {"batches": state, "made_from": {t: max(0, int(t) - k) for t in state}, "rescored": {}}
+                state = {"batches": state, "made_from": {t: max(0, int(t) - k) for t in state}}
             self.ahead.update({int(t): Rollout.from_tensors(ts) for t, ts in state["batches"].items()})
             self.made_from.update({int(t): int(v) for t, v in state["made_from"].items()})
-            self.rescored.update({int(t): logp for t, logp in state["rescored"].items()})
 
     def _rescored(self, t: int) -> torch.Tensor:
-        if not isinstance(self.rescored[t], torch.Tensor):
-            self.rescored[t] = self.sampler.result(self.rescored[t])
-        return self.rescored[t]
+        """Step t's rescoring, checked to be at θ_t by the tag of the weights the child held."""
+        logp, held = self.sampler.answer(self.rescored.pop(t))
+        if held != t:
+            raise RuntimeError(f"the sampler process rescored step {t}'s batch at the weights of step {held}")
+        return logp
 
     def _sample(self, t: int) -> Rollout:
         slow_point("sample", t)
@@ -189,7 +189,6 @@ class RolloutSide:
             return None
         flat = pack(self._rescored(t), r.resp_NT1) if self.sampler is not None else \
             torch.empty(int((r.resp_NT1 > 0).sum()))
-        self.rescored.pop(t, None)
         return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
 
     def sync(self, weight_sync: WeightSync, ships: bool, step: int) -> tuple[dict | None, dict]:

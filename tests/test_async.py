@@ -62,13 +62,13 @@ def test_the_gap_splits_into_staleness_numerics_and_codec(ahead):
 def test_a_run_killed_with_batches_in_flight_resumes_bit_for_bit(ahead, tmp_path):
     """Rank 0 killed as the checkpoint of step 4 starts: `latest` names step 2, whose checkpoint holds
     the batches of steps 2 and 3, generated from θ_1 and θ_2 before the kill. The resumed launch
-    trains on them, and on step 2's rescoring at θ_2 (a probe step): rows (wall clock aside),
+    trains on them (step 2, a probe step, is rescored again at θ_2 at init): rows (wall clock aside),
     evaluations and weights equal the uninterrupted run's."""
     p = launch(8, tmp_path, *AHEAD, check=False, env={"DS_TWOCIRCUIT_KILL_AT": "save@4@0"})
     assert p.returncode != 0 and (tmp_path / "checkpoints" / "latest").read_text().strip() == "step2"
     state = torch.load(tmp_path / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)
     held = state["rollouts_ahead"]
-    assert sorted(held["batches"]) == [2, 3] and held["made_from"] == {2: 1, 3: 2} and sorted(held["rescored"]) == [2]
+    assert sorted(held["batches"]) == [2, 3] and held["made_from"] == {2: 1, 3: 2}
     launch(8, tmp_path, *AHEAD, resume=True)
     assert_resumed_rows(rows(ahead), rows(tmp_path), restarts={3})
     assert rows(ahead, "eval.jsonl") == rows(tmp_path, "eval.jsonl")

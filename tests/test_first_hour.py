@@ -123,27 +123,32 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_to_go_on(tiny_model,
 
 
 CHILD = """
-import os, pathlib, sys
+import os, pathlib, signal, sys
 from ds_twocircuit.run import interrupt
 interrupt.install(pathlib.Path(sys.argv[1]), ["launch/train.py", "--run-dir", sys.argv[1]], report=True)
+if sys.argv[2] == "watcher":     # the main thread never takes a signal: only the watcher thread can act
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 print("ready", flush=True)
-os.read(os.pipe()[0], 1)                                      # blocked in C, as in a collective's wait
+os.read(os.pipe()[0], 1)         # blocked in a system call, as in a collective's wait
 """
 
 
-def test_the_launchers_sigterm_right_behind_the_sigint_waits_for_rank_0s_line(tmp_path):
+@pytest.mark.parametrize("path", ["main", "watcher"])
+@pytest.mark.parametrize("order", [(signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)])
+def test_the_launchers_sigterm_with_the_sigint_waits_for_rank_0s_line(tmp_path, path, order):
     """DeepSpeed's launcher answers a Ctrl-C by sending SIGTERM to every rank at once, so rank 0 can
-    get it while it is still writing its line: sent back to back (SIGINT first, as the terminal's
-    reaches the ranks before the launcher's can), the line is still written, once, and the status is
-    SIGINT's. A SIGTERM alone ends rank 0 silently with SIGTERM's status (another rank failed)."""
+    get it while it is still writing its line, or (delivered to another thread) just before the
+    SIGINT: sent back to back either way, the line is still written, once, and the status is SIGINT's,
+    whether the main thread's handlers or the watcher thread act. A SIGTERM alone ends rank 0 silently
+    with SIGTERM's status (another rank failed)."""
     def child():
-        p = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, text=True,
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), path], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert p.stdout.readline() == "ready\n", p.communicate()
         return p
     p = child()
-    os.kill(p.pid, signal.SIGINT)
-    os.kill(p.pid, signal.SIGTERM)
+    for sig in order:
+        os.kill(p.pid, sig)
     err = p.communicate(timeout=30)[1]
     assert p.returncode == 128 + signal.SIGINT, (p.returncode, err)
     assert err.count("[train] stopped by SIGINT before its first step") == 1, err

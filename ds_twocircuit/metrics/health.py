@@ -56,8 +56,9 @@ def mismatch_split(sampler_logp, dense_logp, trainer_logp, weight, rescored_logp
         mismatch/numerics_kl  = E[r − d]     then the backend and precision alone
         staleness_kl + numerics_kl + codec_kl = E[s − t]
 
-    (r is one teacher-forced pass, s was computed a cached token at a time: at k = 0 they differ by
-    float summation order alone, which the staleness part then carries.)"""
+    (r is one teacher-forced pass, s was computed a cached token at a time: on a batch drawn at θ_t
+    itself, a run's first step, they differ by float summation order alone, which the staleness part
+    then carries.)"""
     w = weight
     on = w > 0
     side = lambda a, b: torch.where(on, a - b, torch.zeros_like(w))

@@ -10,29 +10,47 @@ run/files.py), so nothing needs to be flushed first.
 
 A rank blocked in C (a collective's wait, a device sync) runs no Python signal handler until the
 call returns, so the signal also wakes a watcher thread (`signal.set_wakeup_fd`), which acts while
-the main thread is blocked. SIGTERM ends a rank silently, as its default does: DeepSpeed's launcher
-sends it to every rank when one fails, and also the instant it gets a Ctrl-C itself. The ranks
-other than 0 keep the default. Rank 0 handles it, so that the launcher's SIGTERM, which can land
+the main thread is blocked. SIGTERM ends a rank without a word: DeepSpeed's launcher sends it to
+every rank when one fails, and also the instant it gets a Ctrl-C itself. The ranks other than 0 keep
+its default. Rank 0 handles it (exit status 143), so that the launcher's SIGTERM, which can land
 while rank 0 is still writing its line, waits for the line: the terminal's SIGINT reached rank 0
-before the launcher could send anything, and both paths (Python's handlers, run in signal-number
-order, and the watcher, reading the bytes in arrival order) see SIGINT first.
+before the launcher could send anything, but the two can be delivered to two threads in either
+order, so a SIGTERM without a SIGINT still waits 0.2 s for one before it ends the process. Whichever path ends the process, the other one, should it run in another
+thread meanwhile, waits for that end instead of carrying on with the step.
 """
 import os
 import pathlib
+import select
 import signal
 import shlex
 import threading
+import time
 
 from .run_dir import last_step, sealed_checkpoint
 
 _once = threading.Lock()
+_holder: list[int] = []     # the thread that took `_once` (its ident)
+LATE_SIGINT_S = 0.2         # how long a lone SIGTERM waits for a SIGINT sent with it
+
+
+def _take() -> bool:
+    """True: this thread ends the process. False: another path does; a handler re-entered in the
+    thread that holds it returns, any other thread waits for the end."""
+    if _once.acquire(blocking=False):
+        _holder.append(threading.get_ident())
+        return True
+    if _holder and _holder[0] != threading.get_ident():
+        while True:
+            time.sleep(60)
+    return False
 
 
 def install(run_dir: pathlib.Path, argv: list[str], report: bool) -> None:
-    """From here on a SIGINT ends this process (rank 0: `report` the line first). Main thread only."""
+    """From here on a SIGINT ends this process (rank 0: `report` the line first; SIGTERM then ends it
+    too, after the line if a SIGINT came with it). Main thread only."""
     def stop(*_):
-        if not _once.acquire(blocking=False):
-            return                      # the other path (handler or watcher) is already ending it
+        if not _take():
+            return
         try:
             if report:
                 line = message(run_dir, continue_command(argv))
@@ -41,7 +59,9 @@ def install(run_dir: pathlib.Path, argv: list[str], report: bool) -> None:
             os._exit(128 + signal.SIGINT)
 
     def end(*_):
-        if _once.acquire(blocking=False):   # else the SIGINT path holds it and exits once its line is out
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(LATE_SIGINT_S)   # a SIGINT sent with it runs `stop` meanwhile, here or in the watcher
+        if _take():
             os._exit(128 + signal.SIGTERM)
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -53,6 +73,9 @@ def install(run_dir: pathlib.Path, argv: list[str], report: bool) -> None:
     def watch():
         while True:
             got = os.read(read, 64)
+            if report and signal.SIGTERM in got and signal.SIGINT not in got and \
+                    select.select([read], [], [], LATE_SIGINT_S)[0]:
+                got += os.read(read, 64)
             if signal.SIGINT in got:
                 return stop()
             if report and signal.SIGTERM in got:
