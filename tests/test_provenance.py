@@ -4,6 +4,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 
 from ds_twocircuit.config.schema import ConfigError
 from ds_twocircuit.run import provenance
@@ -49,6 +50,8 @@ def test_a_fresh_run_starts_the_list_and_a_resume_appends(tmp_path):
     got = provenance.read(run)
     assert [e["step"] for e in got] == [0, 6] and got[0]["start"] == start and got[0]["machine"]["world_size"] == 8
     assert len(got[0]["commit"]) == 40 or got[0]["commit"] == "unknown"
+    machine = got[0]["machine"]     # what tells two CPUs sold under one name apart
+    assert machine["cpu_isa"] == torch.backends.cpu.get_cpu_capability() and machine["cpu_id"].startswith("family ")
     provenance.record(run, start, 0, 8)                             # a fresh run in the same directory
     assert [e["step"] for e in provenance.read(run)] == [0]
     assert json.loads((run / "provenance.json").read_text())["launches"][0]["start"]["weights_sha256"]

@@ -8,7 +8,9 @@ refuse to compare runs of different starts or code.
                     what `sha256sum` prints; shards: the sha256 of their digests in name order). A
                     directory that ships a SHA256SUMS is checked against it: a weight file that does
                     not match is refused before any process group starts
-    machine         CPU model, torch and DeepSpeed versions, the world size
+    machine         CPU model, its family/model/stepping and the vector ISA torch dispatches to
+                    (two CPUs sold under one name can round differently: a seeded run repeats bit
+                    for bit only where these match), torch and DeepSpeed versions, the world size
     step            the step the launch started from (0, or the checkpoint's on --resume)
 """
 import datetime
@@ -81,8 +83,8 @@ def entry(start: dict, step: int, world_size: int) -> dict:
     import torch
     return {"launched": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "step": step,
             **code_commit(), "start": start,
-            "machine": {"cpu": cpu_model(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                        "world_size": world_size}}
+            "machine": {"cpu": cpu_model(), "cpu_id": cpu_id(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+                        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "world_size": world_size}}
 
 
 def cpu_model() -> str:
@@ -93,6 +95,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_id() -> str:
+    """"family F model M stepping S" from /proc/cpuinfo's first processor; "" where there is none."""
+    try:
+        first = pathlib.Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return ""
+    f = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    return f"family {f.get('cpu family', '?')} model {f.get('model', '?')} stepping {f.get('stepping', '?')}"
 
 
 def record(run_dir: pathlib.Path, start: dict, step: int, world_size: int) -> dict:
