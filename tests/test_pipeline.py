@@ -127,6 +127,24 @@ def test_the_correction_and_the_split_over_replicas_and_left_out_groups(tiny_mod
                             abs_tol=1e-9), x["step"]
 
 
+def test_the_staleness_split_over_replicas_and_left_out_groups(tiny_model, tmp_path):
+    """The same layout a step ahead (rollout.staleness=1): the sampler's rescoring at θ_t reaches each
+    replica's last stage sliced to its shard and mapped to its kept rows as the probe's log-probs are,
+    so the numerics part (rescoring against the codec-off pipeline, both fp32) stays at float order on
+    every probe step (a slice or row off reads other tokens, nats apart), the staleness part holds the
+    gap once the batch is a step old, and the three parts add up."""
+    launch(8, tmp_path, stages(4), "grpo.kl_coef=0", "grpo.skip_zero_advantage=true", "rollout.staleness=1",
+           "train.steps=3", "train.probe_every=1")
+    r = rows(tmp_path)
+    assert any(x["train/skipped_groups"] > 0 for x in r), "no group left out: the test exercises nothing"
+    for x in r:
+        assert x["mismatch/numerics_logp_diff"] < 1e-5 and x["mismatch/codec_logp_diff"] < 1e-5, x["step"]
+        parts = x["mismatch/staleness_kl"] + x["mismatch/numerics_kl"] + x["mismatch/codec_kl"]
+        assert math.isclose(parts, x["rollout_corr/kl"], rel_tol=1e-4, abs_tol=1e-9), x["step"]
+    assert [x["rollout/staleness"] for x in r] == [0.0, 1.0, 1.0]
+    assert all(x["mismatch/staleness_logp_diff"] > 1e-3 for x in r[1:]), [x["mismatch/staleness_logp_diff"] for x in r]
+
+
 def test_resume_refuses_a_corrupt_checkpoint_file_by_name(eight, tmp_path):
     """`latest` names a sealed checkpoint (one manifest per rank); one flipped byte in a layer file
     and `--resume` stops with one line naming that file, before any process group or new row."""
