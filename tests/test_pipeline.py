@@ -251,8 +251,11 @@ def test_the_grpo_objective_as_the_pipeline_applies_it(tiny_model, tmp_path):
                 got[n] = g
         assert got.keys() == want.keys()
         for n in want:
-            atol = (1e-7 if kind == "plain" else 1e-5 * float(want[n].abs().max())) * scale
-            torch.testing.assert_close(got[n], want[n] * scale, rtol=1e-5, atol=atol, msg=f"{kind} {n}")
+            # trimmed passes sum in other shapes: 1e-5 of a tensor's largest element on AVX-512 CPUs,
+            # up to 2.3e-5 on an AVX2 Zen 3 (a key bias, whose true gradient is 0, all cancellation)
+            atol = (1e-7 if kind == "plain" else 5e-5 * float(want[n].abs().max())) * scale
+            torch.testing.assert_close(got[n], want[n] * scale, rtol=1e-5, atol=atol,
+                                       msg=lambda m, kind=kind, n=n: f"{kind} {n}: {m}")
     before, after = torch.zeros_like(r.resp_NT1), torch.zeros_like(r.resp_NT1)
     for f in tmp_path.glob("direction*.pt"):
         d = torch.load(f)

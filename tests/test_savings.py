@@ -22,14 +22,16 @@ def test_skipped_zero_advantage_groups_leave_the_update_unchanged(tiny_model, tm
     """β = 0, a codec on: the same losses, gradient norms and weights with the all-equal groups left
     out of the pipeline, and fewer bytes on the wire. Equal to float summation order only (the kept
     sequences sit in other micro-batches), and the tiny model's 5 % codecs amplify that: measured with
-    PRF, the gradient norm differs by 2e-8 relative at step 1, 3e-6 at 2, 1e-5 at 3, 2e-4 at 4, so
-    two steps are compared."""
+    PRF, the gradient norm differs by 2e-8 relative at step 1, 3e-6 at 2, 1e-5 at 3, 2e-4 at 4 on
+    an AVX-512 CPU, and by 2.1e-5 at step 2 on an AVX2 Zen 3, so two steps are compared, the first
+    within 1e-5, the second within 1e-4 (a group that wrongly fed the update moves it by percents)."""
     common = ("grpo.kl_coef=0", "train.steps=2", "train.eval_every=100", *codec)
     launch(8, tmp_path / "all", *common)
     launch(8, tmp_path / "skip", *common, "grpo.skip_zero_advantage=true")
     a, b = rows(tmp_path / "all"), rows(tmp_path / "skip")
     assert any(r["train/skipped_groups"] > 0 for r in b), "no group was skipped: the test proves nothing"
-    assert_rows_close(a, b, ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), rel_tol=1e-5)
+    assert_rows_close(a[:1], b[:1], ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), rel_tol=1e-5)
+    assert_rows_close(a[1:], b[1:], ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"), rel_tol=1e-4)
     for ra, rb in zip(a, b):
         assert rb["train/skipped_groups"] == ra["train/zero_advantage_groups"]
         # 16 groups of 4 in micro-batches of 8: the kept sequences, rounded up to micro-batches; each
