@@ -174,12 +174,11 @@ class RolloutSide:
         response tokens' floats are broadcast. None otherwise (the pipeline computes them, or nothing reads them)."""
         if self.tc.grpo.ref_logprobs != "sampler" or not needed:
             return None
+        values = None
         if self.reference is not None:
             with all_threads():
-                flat = pack(self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature), r.resp_NT1)
-        else:
-            flat = torch.empty(int((r.resp_NT1 > 0).sum()))
-        return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
+                values = self.reference(r.ids_NT, r.attn_NT, r.resp_NT1, self.tc.grpo.temperature)
+        return to_every_rank(values, r.resp_NT1)
 
     def rescored_logprobs(self, r: Rollout, t: int, needed: bool) -> torch.Tensor | None:
         """With rollout.staleness > 0 and `needed` (a probe step): the sampler's log-probs of step t's
@@ -187,9 +186,7 @@ class RolloutSide:
         floats are broadcast. None otherwise."""
         if not self.tc.rollout.staleness or not needed:
             return None
-        flat = pack(self._rescored(t), r.resp_NT1) if self.sampler is not None else \
-            torch.empty(int((r.resp_NT1 > 0).sum()))
-        return unpack(comm.broadcast_(flat, host=True), r.resp_NT1)
+        return to_every_rank(self._rescored(t) if self.sampler is not None else None, r.resp_NT1)
 
     def sync(self, weight_sync: WeightSync, ships: bool, step: int) -> tuple[dict | None, dict]:
         """The stages' weights, θ_step, to the sampler as deltas in its dtype (sync/weight_sync.py),
@@ -237,6 +234,14 @@ class all_threads:
 
     def __exit__(self, *exc):
         torch.set_num_threads(self.n)
+
+
+def to_every_rank(values_NT1: torch.Tensor | None, resp_NT1: torch.Tensor) -> torch.Tensor:
+    """Rank 0's per-token values of a batch, (N, T−1), on every rank's host, 0 off the response (the
+    other ranks pass None): only the response tokens' floats cross, received on the device path."""
+    flat = pack(values_NT1, resp_NT1) if values_NT1 is not None else \
+        torch.empty(int((resp_NT1 > 0).sum()), device=comm.device())
+    return unpack(comm.broadcast_(flat, host=True), resp_NT1)
 
 
 TOKENS = ("ids_NT", "sampler_logp_NT1")   # read by the first stage (ids) and the last (targets, the sampler's log-probs)

@@ -9,12 +9,12 @@ is a real share of the step), alternated over --repeats rounds so that a machine
 alike. Per run: the mean over steps after the first k + 1 (the sampler fills its queue there) of
 `timing/step` (the whole step), `timing/gen` (the wait for the batch: the whole generation at k = 0,
 what is left of it at k > 0) and the rest of the step. Prints a markdown table and the ratio of each
-k's step time to k = 0's. The runs write to --out/<k>-<round> (overwritten).
+k's step time to k = 0's. The runs write to --out/direct-<k>-<round> (overwritten).
 
 `--rate R ...` (root, iproute2): each run goes through launch/multihost.py instead, 8 hosts of one
 rank each (network namespaces on this machine), every host's egress capped at R, so that every cut
 between stages and every collective crosses a link of that rate; one table per rate, the rates
-alternated inside each round with the staleness values.
+alternated inside each round with the staleness values; runs under --out/<rate>-<k>-<round>.
 """
 import argparse
 import json
