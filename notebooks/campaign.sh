@@ -28,6 +28,7 @@ declare -A RECIPES=(
   [frontier_k1rc]="ds_configs/frontier_wide.json"
   [frontier_k2]="ds_configs/frontier_wide.json"
   [frontier_k2rc]="ds_configs/frontier_wide.json"
+  [prf95_k1rc]="ds_configs/prf95.json"
 )
 # a recipe's own overrides: the rollout correction on, the sampler a step ahead, micro-batches never
 # trimmed (what the campaign's commit did, so that these runs differ from its runs by those alone:
@@ -39,6 +40,7 @@ declare -A EXTRA=(
   [frontier_k1rc]="rollout.staleness=1 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
   [frontier_k2]="rollout.staleness=2 train.trim_micro_batches=never"
   [frontier_k2rc]="rollout.staleness=2 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
+  [prf95_k1rc]="rollout.staleness=1 grpo.rollout_correction.enabled=true train.trim_micro_batches=never"
 )
 for name in "$@"; do
   recipe=${name%_s*} seed=${name##*_s}
