@@ -198,23 +198,25 @@ def test_backward_lies_on_the_forward_coordinates_and_is_unbiased():
     """Per token, the gradient sent back lives on the forward's rotated coordinates: R·∂x is zero
     outside S_f (the backward's m_b are the first m_b of the same keyed permutation). Over the keys,
     the mean ∂x is g (each of d coordinates kept with probability m_b/d, rescaled by d/m_b)."""
-    n, d = 3000, 32
+    steps, t, d = 30, 100, 32                            # 3000 tokens: 100 samples (own keys) × 30 steps
     c = cut_codec((24, 24), (12, 3), d)
-    g = torch.randn(1, 1, d, generator=torch.Generator().manual_seed(2))
-    pos, sid = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])
+    g = torch.randn(1, 1, d, generator=torch.Generator().manual_seed(2)).expand(t, 1, d)
+    pos, sid = torch.zeros(t, 1, dtype=torch.long), torch.arange(t)
     got = []
-    for step in range(n):                                # one token, fresh keys each step
-        x = torch.zeros(1, 1, d, requires_grad=True)
+    for step in range(steps):
+        x = torch.zeros(t, 1, d, requires_grad=True)
         with c.keyed(step):
             c.wire_in(c.wire_out(x, pos, sid, 3), pos, sid, 3, torch.float32).backward(g)
-        got.append(x.grad.view(d))
-        if step < 50:
-            k = token_keys(5, 3, step, sid[:, None], pos).reshape(-1)
-            outside = torch.ones(d, dtype=torch.bool)
-            outside[kept_channels(r.mix32(k ^ r.SUBSET), d, 24)[0]] = False
-            assert r.rotate(x.grad.view(1, d), r.signs(k, d))[0, outside].abs().max() < 1e-5
-    got = torch.stack(got).double()
-    z = (got.mean(0) - g.view(d)) / (got.std(0) / math.sqrt(n))
+        got.append(x.grad.view(t, d))
+        if step < 2:
+            keys = token_keys(5, 3, step, sid[:, None], pos).reshape(-1)
+            for k, gx in zip(keys[:25], x.grad.view(t, d)):
+                outside = torch.ones(d, dtype=torch.bool)
+                outside[kept_channels(r.mix32(k.view(1) ^ r.SUBSET), d, 24)[0]] = False
+                assert r.rotate(gx.view(1, d), r.signs(k.view(1), d))[0, outside].abs().max() < 1e-5
+    n = steps * t
+    got = torch.cat(got).double()
+    z = (got.mean(0) - g[0].view(d)) / (got.std(0) / math.sqrt(n))
     assert z.abs().max() < 4.5, z
 
 
