@@ -49,8 +49,10 @@ class RolloutSide:
                 if n:
                     print(f"[data] {n} {split} rows left out: prompts over data.max_prompt_len="
                           f"{tc.data.max_prompt_len} tokens", flush=True)
-            self.sampler = SamplerProcess(model_dir, tc) if tc.rollout.staleness else build_sampler(model_dir, tc)
-            self.reference = (ReferenceLogProbs(model_dir, tc.model.attn_implementation)
+            dev = comm.device()        # rank 0's accelerator: the HF sampler and the reference generate there
+            self.sampler = (SamplerProcess(model_dir, tc, device=dev) if tc.rollout.staleness
+                            else build_sampler(model_dir, tc, dev))
+            self.reference = (ReferenceLogProbs(model_dir, tc.model.attn_implementation, device=dev)
                               if tc.grpo.ref_logprobs == "sampler" else None)
 
     def weight_shapes(self) -> dict | None:

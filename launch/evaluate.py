@@ -80,8 +80,11 @@ def build_sampler(args, tc):
     if backend == "vllm":
         from ds_twocircuit.sampler.vllm import VLLMSampler
         return VLLMSampler(args.model, tc.sampler, tc.data.max_prompt_len + tc.grpo.max_new_tokens, args.seed)
+    import torch
+
     from ds_twocircuit.sampler.hf import HFSampler
-    return HFSampler(args.model, tc.model.attn_implementation, tc.sampler.dtype)
+    return HFSampler(args.model, tc.model.attn_implementation, tc.sampler.dtype,
+                     "cuda" if torch.cuda.is_available() else None)
 
 
 def load_benchmark(name: str, source: str, tc, tokenizer):

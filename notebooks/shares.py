@@ -19,7 +19,11 @@ and the seed-to-seed spread of the runs themselves.
 
 It refuses to compare runs whose starting weights differ (provenance's sha256), whose code commits
 differ (a campaign shares one commit; `--mixed-commits` to allow), whose held-out sets differ in
-size, or whose seeds do not pair.
+size, whose endpoints average evaluations of different steps (a 100-step run matched by the same
+glob as 300-step ones), or whose seeds do not pair. The README's table:
+
+    python notebooks/shares.py --dense 'notebooks/campaign/dense_s[01]' \
+        --recipe 'frontier=notebooks/campaign/frontier_s[01]' --recipe 'prf95=notebooks/campaign/prf95_s[01]' --last 4
 """
 import argparse
 import glob
@@ -55,8 +59,8 @@ def provenance(run: pathlib.Path) -> tuple[str, str]:
     return first["start"]["weights_sha256"], first["commit"]
 
 
-def scores(run: pathlib.Path, at: int | None, last: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """→ (start scores (n,), endpoint scores (n,), the endpoint's last step)."""
+def scores(run: pathlib.Path, at: int | None, last: int) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """→ (start scores (n,), endpoint scores (n,), the steps of the evaluations averaged at the endpoint)."""
     evals = [e for e in read_jsonl(run / "eval.jsonl") if "scores" in e]
     if not evals or evals[0]["step"] != 0:
         sys.exit(f"{run}: no step-0 evaluation with per-prompt scores")
@@ -64,7 +68,7 @@ def scores(run: pathlib.Path, at: int | None, last: int) -> tuple[np.ndarray, np
     if len(upto) < last + 1:
         sys.exit(f"{run}: {len(upto) - 1} evaluations after step 0 up to step {at}, --last {last} asked")
     arr = lambda e: np.array([float(c) for c in e["scores"]]) if isinstance(e["scores"], str) else np.array(e["scores"])
-    return arr(evals[0]), np.mean([arr(e) for e in upto[-last:]], axis=0), upto[-1]["step"]
+    return arr(evals[0]), np.mean([arr(e) for e in upto[-last:]], axis=0), tuple(e["step"] for e in upto[-last:])
 
 
 def group(pattern: str, at, last) -> dict[int, dict]:
@@ -76,8 +80,8 @@ def group(pattern: str, at, last) -> dict[int, dict]:
         s = seed_of(run)
         if s in out:
             sys.exit(f"{run} and {out[s]['dir']}: the same seed {s} twice in one group")
-        start, end, step = scores(run, at, last)
-        out[s] = {"dir": run, "start": start, "end": end, "step": step, "prov": provenance(run)}
+        start, end, steps = scores(run, at, last)
+        out[s] = {"dir": run, "start": start, "end": end, "steps": steps, "prov": provenance(run)}
     return out
 
 
@@ -115,6 +119,10 @@ def check(groups: dict[str, dict], mixed_commits: bool) -> None:
     sizes = {len(r["start"]) for _, r in every}
     if len(sizes) > 1:
         sys.exit(f"held-out sets of different sizes: {sorted(sizes)}")
+    steps = {r["steps"] for _, r in every}
+    if len(steps) > 1:   # a 100-step run beside 300-step ones: its "last" evaluations are other steps'
+        sys.exit("runs whose endpoints are evaluations of different steps (narrow the globs, or --at): "
+                 + ", ".join(f"{r['dir']}: {'/'.join(map(str, r['steps']))}" for _, r in every))
 
 
 def main(argv=None) -> None:
@@ -148,8 +156,9 @@ def main(argv=None) -> None:
             sys.exit(f"{name}: seeds {sorted(rec)} do not pair with dense's {sorted(dense)}")
         r = rows[name] = interval(rec, dense, seeds, a.boot, rng)
         half = (r["share_ci"][1] - r["share_ci"][0]) / 2
-        step = sorted({rec[s]["step"] for s in seeds})
-        print(f"| {name} | {len(seeds)} | {'/'.join(map(str, step))} | {r['gain']:+.4f} [{r['gain_ci'][0]:+.4f}, "
+        steps = rec[seeds[0]]["steps"]
+        ends = f"{steps[0]}–{steps[-1]}" if len(steps) > 1 else str(steps[0])
+        print(f"| {name} | {len(seeds)} | {ends} | {r['gain']:+.4f} [{r['gain_ci'][0]:+.4f}, "
               f"{r['gain_ci'][1]:+.4f}] | {r['dense_gain']:+.4f} [{r['dense_gain_ci'][0]:+.4f}, {r['dense_gain_ci'][1]:+.4f}] "
               f"| {r['share']:.2f} [{r['share_ci'][0]:.2f}, {r['share_ci'][1]:.2f}] | {half:.2f} |")
     if a.json:

@@ -13,6 +13,9 @@ from safetensors.torch import load_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.json"
+# every launch of the suite checks that each pipeline receive agrees with its send in dtype and element
+# count (pipeline/wire.py): NCCL's rule, which gloo does not enforce
+os.environ.setdefault("DS_TWOCIRCUIT_STRICT_WIRE", "1")
 
 
 @pytest.fixture(scope="session")

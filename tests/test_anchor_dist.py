@@ -144,6 +144,7 @@ def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
     assert [x["anchor/age"] for x in r] == [t - f for t, f in enumerate(held)]
     assert max(x["anchor/age"] for x in r) == 5 > c - 1                   # the outage, seen in the rows
     assert [x["anchor/restarts"] for x in r] == [0] * 8 + [1, 2, 2, 2, 3, 3, 3, 3]
+    assert all(x["anchor/alive"] == 1.0 for x in r)                      # within its restarts throughout
     # the lowrank codec end to end: reference and policy through the same basis, a real gap, k/d bytes back
     assert r[0]["actor/kl_loss"] == 0.0 and r[0]["rollout_corr/kl"] > 1e-3
     assert all(x["codec/bytes_bwd"] == x["codec/dense_equiv_bytes_bwd"] * 4 / 32 for x in r)
@@ -158,6 +159,20 @@ def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
     names = json.loads(state["tensors"])
     assert sorted(n for n in names if n.startswith("basis.")) == [f"basis.cut{l}" for l in range(7)]
     assert (sign_dir(mailbox, published_fires(mailbox)[-1]) / "bases.safetensors").is_file()
+
+
+def test_an_anchor_out_of_restarts_stops_the_run_when_asked(tiny_model, tmp_path):
+    """anchor.on_failure=stop: the managed anchor dies as it starts fire 2 with no restart left
+    (anchor.max_restarts=0); every rank ends at the same step with one error naming the key, and
+    the steps before it are logged with the anchor alive."""
+    p = launch(8, tmp_path, "anchor.enabled=true", "anchor.every=2", "anchor.staleness=0", "anchor.mode=sync",
+               "anchor.timeout=300", "anchor.max_restarts=0", "anchor.on_failure=stop", "train.steps=6",
+               "train.eval_every=100", "train.save_every=0", "train.probe_every=0",
+               env={"DS_TWOCIRCUIT_KILL_AT": "fire@2@anchor0"}, timeout=300, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "anchor.on_failure=stop" in out, out[-3000:]
+    r = rows(tmp_path)
+    assert [x["step"] for x in r] == [1, 2] and all(x["anchor/alive"] == 1.0 for x in r), r
 
 
 def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):

@@ -26,7 +26,32 @@ pytestmark = pytest.mark.dist
 SPLIT = [1] * 8
 
 
-def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model, tmp_path):
+# the launch's codec specs (dist_grads.py's grammar): "t" trims (the second micro-batch narrower, shapes
+# sent with each), "s" shares each group's prompt, "c1.3.5:" compresses only the cuts after layers 1,
+# 3 and 5, so stages 1, 3 and 5 receive dense fp32 and send the rotated codec's fp16 carrier and stages
+# 2, 4 and 6 the reverse (the receive buffers' dtype, pipeline/recv_buffers.py)
+SPECS = ("3", "32", "r32x4/20x2", "r20x2/20x2", "r32x3t8/20x2t8", "r32x2t8g/20x2", "r32x4/q3", "r32x2t8g/q2", "3s",
+         "r32x4/20x2s", "3t", "3ts", "r32x4/20x2t", "r32x4/20x2ts", "c1.3.5:r32x4/20x2", "c1.3.5:r32x4/20x2t",
+         "c1.3.5:3ts")
+
+
+@pytest.fixture(scope="module")
+def cut_launch(tiny_model, tmp_path_factory):
+    """One launch of tests/dist_grads.py over SPECS, with the wire's strict check on (conftest); → (its
+    output folder, its log). A launch that fails fails each test that reads it (`launched`)."""
+    out = tmp_path_factory.mktemp("cuts")
+    p = subprocess.run(ds_cmd(8, "tests/dist_grads.py", tiny_model, json.dumps(SPLIT), ",".join(SPECS), out),
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    return out, p.returncode, p.stdout + p.stderr
+
+
+def launched(cut_launch):
+    out, rc, text = cut_launch
+    assert rc == 0, text[-3000:]
+    return out, text
+
+
+def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model, cut_launch):
     """PRF k = 3 and k = 32 (keep-all), and the rotated codec with a payload beside its carrier
     (18 B forward, 8 B back), with the carrier alone (8 B both ways) and with a scale per tile of 8
     (protocol v2: 18 B forward, 10 B back), with Gaussian levels forward, and with the backward's
@@ -39,17 +64,14 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
     pair, Gaussian levels with rank 2 (r32x2t8g/q2), agrees to 1e-7 here and is pinned too. With each
     group's prompt shared ("3s", "r32x4/20x2s": the prompt crosses once per group, its gradient
     summed over the group; what that equals unshared is test_codec.py's) the pipeline's transport of
-    the shared tuples gives the same gradients as the single process."""
-    specs = ("3", "32", "r32x4/20x2", "r20x2/20x2", "r32x3t8/20x2t8", "r32x2t8g/20x2", "r32x4/q3", "r32x2t8g/q2", "3s",
-             "r32x4/20x2s")
-    p = subprocess.run(ds_cmd(8, "tests/dist_grads.py", tiny_model, json.dumps(SPLIT), ",".join(specs), tmp_path),
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    the shared tuples gives the same gradients as the single process; so do trimmed micro-batches
+    and stages whose two cuts differ in wire dtype ("c1.3.5:..."). The reference shares the `Decoder`
+    modules with the pipeline: that each cut decodes what was sent is the next test's."""
+    tmp_path, text = launched(cut_launch)
     # the tied embedding's broadcasts (TwoCircuitPipe._synchronize_tied_weights) leave autograd alone:
     # the backward prints no "silently incorrect behavior" warning about c10d::broadcast_
-    text = p.stdout + p.stderr
     assert "silently incorrect" not in text and "autograd kernel was not registered" not in text, text[-3000:]
-    for k in specs:
+    for k in SPECS:
         got = {}
         for f in (tmp_path / f"k{k.replace('/', '_')}").glob("grads_stage*.safetensors"):
             got.update(load_file(f))
@@ -59,6 +81,81 @@ def test_compressed_pipeline_gradients_equal_single_process_autograd(tiny_model,
             # runs one; measured ≤ 7e-7 of a tensor's largest element (PRF k = 3 with shared prompts)
             atol = max(1e-6, 2e-6 * float(ref[n].abs().max()))
             torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=atol, msg=f"k={k} {n}")
+
+
+# ---- each cut against the codec's pure functions, keyed explicitly ------------------------------
+def token_positions(attn_BT):
+    """A token's position: real tokens counted from 0, pads before them at 0 (HF generate's rule for
+    left-padded prompts), written here apart from model/pipe.py's."""
+    return (attn_BT.cumsum(-1) - 1).clamp(min=0)
+
+
+def source_rows(B: int, T: int, P: int, G: int):
+    """(B, T): the row whose value of each token crossed the cut: its own, or with a shared prompt the
+    group's first row for the first P columns."""
+    src = torch.arange(B)[:, None].repeat(1, T)
+    if P:
+        src[:, :P] = (torch.arange(B) // G * G)[:, None]
+    return src
+
+
+def cut_maps(spec: str, d: int, layer: int):
+    """(forward, backward) of one cut as functions of (x_ND, keys_N) → what the other end holds."""
+    from ds_twocircuit.codec import prf, rotated
+    from dist_grads import make_codec
+    c = make_codec(d, spec, SPLIT)
+    if layer not in c.cuts:
+        return (lambda x, _: x), (lambda g, _: g)
+    if c.name == "prf":
+        def keep(x, keys):
+            K = prf.kept_channels(keys, d, c.k)
+            return torch.zeros_like(x).scatter(-1, K, x.gather(-1, K) * (d / c.k))
+        return keep, keep
+    code = lambda b, direction: (lambda x, keys: rotated.decode(rotated.encode(x, keys, b, direction), keys, b,
+                                                                direction))
+    return code(c.fwd, "fwd"), code(c.bwd, "bwd")
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if "/q" not in s and s != "32"])
+def test_every_cut_decodes_what_was_sent(tiny_model, cut_launch, spec):
+    """What each stage of the launch received, forward and backward, at every cut, against the codec's
+    pure functions (prf.token_keys, prf.kept_channels, rotated.encode/decode) called with explicit
+    (seed, layer, step, sample, position), positions from the micro-batch's mask: forward, the
+    receiver's decoded x̂ is the map of the sender's x, token by token, keyed by the token it came
+    from; backward, the sender's ∂x is the map of the receiver's ∂x̂ (a shared prompt's summed over its
+    group, 0 on the prompt rows that did not cross). Nothing of the `Decoder` modules or of
+    `Codec`'s keying runs on the reference side, so a receiver keyed at another position, layer or
+    step than its sender fails here. (The rank code of the backward is a micro-batch's, not a
+    token's: its cut is the previous test's; keep-all PRF cannot see keys.)"""
+    from ds_twocircuit.codec import prf
+    from ds_twocircuit.model.pipe import load_hf_config
+    from dist_grads import SEED, STEP, micro_batches, parse
+    out, _ = launched(cut_launch)
+    rec = {}
+    for f in (out / f"k{spec.replace('/', '_')}").glob("cuts_stage*.pt"):
+        rec.update(torch.load(f))
+    _, _, trimmed, shared = parse(spec)
+    d, vocab = rec["x/0/0"].shape[-1], load_hf_config(tiny_model, "sdpa").vocab_size
+    checked = 0
+    for layer in range(len(SPLIT) - 1):
+        fwd, bwd = cut_maps(spec, d, layer)
+        for m, ((ids, attn, sid, *share), _) in enumerate(micro_batches(vocab, shared, trimmed)):
+            B, T = attn.shape
+            P, G = (int(share[0][0]), int(share[0][1])) if share else (0, 0)
+            src = source_rows(B, T, P, G)
+            keys = prf.token_keys(SEED, layer, STEP, sid[src], token_positions(attn).gather(0, src))   # (B, T)
+            x, xhat = rec[f"x/{layer}/{m}"], rec[f"xhat/{layer}/{m}"]
+            want = fwd(x.gather(0, src[..., None].expand(B, T, d)).reshape(-1, d), keys.reshape(-1)).view(B, T, d)
+            torch.testing.assert_close(xhat, want, rtol=0, atol=0, msg=f"{spec} cut {layer} mb {m}: forward")
+            ghat = rec[f"gxhat/{layer}/{m}"]
+            summed = torch.zeros_like(ghat).index_put_((src, torch.arange(T).expand(B, T)), ghat, accumulate=True)
+            crossed = torch.zeros(B, T, 1).index_put_((src, torch.arange(T).expand(B, T)), torch.ones(B, T, 1))
+            want = bwd(summed.reshape(-1, d), keys.reshape(-1)).view(B, T, d) * crossed
+            # the reference's keys are the source token's, which a row that did not cross lacks: masked
+            torch.testing.assert_close(rec[f"gx/{layer}/{m}"], want, rtol=0, atol=0,
+                                       msg=f"{spec} cut {layer} mb {m}: backward")
+            checked += 1
+    assert checked == (len(SPLIT) - 1) * 2
 
 
 def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):

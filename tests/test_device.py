@@ -160,3 +160,22 @@ def test_the_last_stage_returns_log_probs_beside_the_rollout_on_the_host():
         sums = mismatch_sums(sampler_logp, logp, w)
         kl = k3_kl(logp, sampler_logp, w > 0)
     assert logp.device.type == "cpu" and torch.isfinite(kl).all() and all(torch.isfinite(v) for v in sums.values())
+
+
+def test_the_sampler_and_the_reference_score_on_the_device(tiny_model):
+    """The teacher-forced pass the HF sampler scores with and the reference policy runs
+    (sampler/reference.py) on the device, its inputs moved there from the rollout's host tensors and
+    its log-probs handed back on the host; the same numbers as on the CPU but for the order of float
+    sums (≤ 1.1e-6 measured). HF `generate` itself is tests/test_gpu.py's, on CUDA: its internals make
+    tensors on the model's device that this stand-in cannot follow."""
+    from ds_twocircuit.sampler.hf import HFSampler
+    from ds_twocircuit.sampler.reference import ReferenceLogProbs, response_logprobs
+    s = HFSampler(tiny_model)
+    gen = s.generate(["12+3=", "7+8="], 2, max_new_tokens=6, seed=1)
+    want = ReferenceLogProbs(tiny_model)(gen.ids_NT, gen.attn_NT, gen.resp_NT1, 0.7)
+    model = to_standin(s.model)
+    with placed():
+        got = response_logprobs(model, gen.ids_NT, gen.attn_NT, gen.resp_NT1, 0.7, device=STANDIN)
+    assert got.device.type == "cpu" and not isinstance(got, type(on(torch.zeros(1))))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (gen.resp_NT1 > 0).sum() > 4 and bool((got[gen.resp_NT1 > 0] < 0).all())

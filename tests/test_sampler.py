@@ -166,7 +166,10 @@ def test_the_sampler_process_answers_in_order_and_reports_a_failed_load(tiny_mod
         assert held_old is None and held_new == 7       # each answer names the weights it was made from
         torch.testing.assert_close(got.logp_NT1, want_old.logp_NT1, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(new.logp_NT1, want_new.logp_NT1, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(want_old.logp_NT1, want_new.logp_NT1)
+        # the two weights draw differently: other log-probs, or other lengths (on an Intel Xeon every
+        # response of one draw ended a token earlier, so the two are not even the same shape)
+        assert want_old.logp_NT1.shape != want_new.logp_NT1.shape or not torch.allclose(want_old.logp_NT1,
+                                                                                         want_new.logp_NT1)
         # rescoring at the weights held now: one teacher-forced pass gives generate's own numbers on
         # the tokens drawn from these weights, and the new weights' numbers on the old draw's tokens
         now = sp.result(sp.submit("score", new.ids_NT, new.attn_NT, new.resp_NT1, TAU))

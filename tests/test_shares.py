@@ -1,5 +1,5 @@
 """notebooks/shares.py on made-up run directories: the share and its interval are what the formula
-gives, runs pair by seed, and runs of other starts or commits are refused."""
+gives, runs pair by seed, and runs of other starts, commits or endpoint steps are refused."""
 import json
 import subprocess
 import sys
@@ -9,14 +9,14 @@ import numpy as np
 from conftest import ROOT
 
 
-def fake_run(d, seed, start, end_rate, digest="a" * 64, commit="c" * 40, n=400, rng=None):
+def fake_run(d, seed, start, end_rate, digest="a" * 64, commit="c" * 40, n=400, rng=None, last=100):
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(f"model:\n  path: x\ntrain:\n  steps: 100\n  seed: {seed}\n")
     (d / "provenance.json").write_text(json.dumps({"launches": [{"step": 0, "commit": commit,
                                                                  "start": {"weights_sha256": digest}}]}))
     ends = (rng.random(n) < end_rate).astype(int)
     rows = [{"step": 0, "acc": start.mean(), "n": n, "scores": "".join(map(str, start))},
-            {"step": 100, "acc": ends.mean(), "n": n, "scores": "".join(map(str, ends))}]
+            {"step": last, "acc": ends.mean(), "n": n, "scores": "".join(map(str, ends))}]
     (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -47,3 +47,8 @@ def test_the_share_its_interval_and_the_refusals(tmp_path):
     assert p.returncode != 0 and "different commits" in p.stderr
     p = shares("--dense", tmp_path / "dense_s*", "--recipe", f"few={tmp_path}/codec_s0")
     assert p.returncode != 0 and "do not pair" in p.stderr
+    for s, last in ((0, 100), (1, 50)):     # a shorter seed the same glob takes in
+        fake_run(tmp_path / "mixed" / f"dense_s{s}", s, start, 0.45, rng=rng, last=last)
+        fake_run(tmp_path / "mixed" / f"codec_s{s}", s, start, 0.35, rng=rng, last=last)
+    p = shares("--dense", tmp_path / "mixed" / "dense_s*", "--recipe", f"codec={tmp_path}/mixed/codec_s*")
+    assert p.returncode != 0 and "evaluations of different steps" in p.stderr and "50" in p.stderr

@@ -16,8 +16,10 @@ mailbox. `step(t)`, before step t's update, on every rank:
                 tied head's copy of the embedding's bits on the last stage; lowrank bases go to all
 
 and returns the newly adopted `Sign` (None when the held one stays) with the step's anchor metrics.
-A managed anchor (process.py) that dies is restarted at the next fire while the held sign ages; an
-external one that does not answer within `anchor.timeout` seconds is waited for no longer.
+A managed anchor (process.py) that dies is restarted at the next fire while the held sign ages; once
+it has used `anchor.max_restarts`, `anchor.on_failure` decides: continue (the held sign stays,
+`anchor/alive` reads 0 every step after) or stop (every rank raises AnchorGaveUp at the same step).
+An external anchor that does not answer within `anchor.timeout` seconds is waited for no longer.
 
 Checkpoints: each trainer checkpoint records the held fire; `checkpointed` pins it in the mailbox
 (what the anchor and `collect` must keep to rewind to it). On --resume rank 0 ends a managed anchor
@@ -41,6 +43,13 @@ from . import mailbox as mb
 from .forecast import fires_replaying, forecast_steps, replay_groups, weights_step
 from .process import AnchorProcess
 from .sign import pack_bits, signs_of, unpack_bits, zero_runs
+
+
+STOP = -2      # the broadcast pick that ends the run (anchor.on_failure=stop)
+
+
+class AnchorGaveUp(RuntimeError):
+    """The managed anchor used its restarts and anchor.on_failure is stop."""
 
 
 @dataclass
@@ -88,13 +97,19 @@ class AnchorLink:
         """Ship for step t (rank 0) and adopt the sign rank 0 picks; → (the new sign or None, metrics)."""
         up = self._ship(t, theta, rollout, kl_coef) if self.rank0 else 0
         fire, staged, waited = self._pick(t) if self.rank0 else (-1, None, 0.0)
+        if self.rank0 and self.process is not None and self.process.gave_up and self.a.on_failure == "stop":
+            fire = STOP
         choice = comm.broadcast_scalar(fire, torch.int64)
+        if choice == STOP:      # every rank ends here, at the same step
+            raise AnchorGaveUp(f"the managed anchor exited after {self.a.max_restarts} restart(s) (anchor.max_restarts); "
+                               "anchor.on_failure=stop ends the run (continue: train on with the held sign)")
         new, down = None, 0
         if choice > self.held:
             new, down = self._distribute(choice, staged)
             self.held = new.fire
         out = {"anchor/bytes_up": float(up), "anchor/bytes_down": float(down), "anchor/bytes": float(up + down),
-               "anchor/wait": waited, "anchor/restarts": float(self.process.restarts if self.process else 0)}
+               "anchor/wait": waited, "anchor/restarts": float(self.process.restarts if self.process else 0),
+               "anchor/alive": 0.0 if self.process is not None and self.process.gave_up else 1.0}
         if self.held >= 0:
             out.update({"anchor/age": float(t - weights_step(self.held, self.a.staleness)), "anchor/fire": float(self.held)})
         return new, out

@@ -25,6 +25,10 @@ d/k makes the decoded activation unbiased.
 import torch
 
 M32 = 0xFFFFFFFF
+# cycle-walking evaluations between two host reads of what is still out of range: each read
+# (nonzero) is a sync on a GPU; a value is out of range with probability (2^b − d)/2^b < 1/2 per
+# evaluation (1/4 at d = 1536), so each read finds at most 1/16 (1/256) of the last one's values
+WALKS = 4
 _KEY_INIT = 0x243F6A88
 _GOLDEN = 0x9E3779B9
 ROUNDS = 4
@@ -71,12 +75,14 @@ def kept_channels(keys: torch.Tensor, d: int, k: int) -> torch.Tensor:
     rks = [mix32(flat ^ ((i + 1) * _GOLDEN & M32)) for i in range(ROUNDS)]      # (N,)
     idx = _feistel(torch.arange(k, device=keys.device).expand(flat.numel(), k), [r[:, None] for r in rks], bits)
     rows, cols = (idx >= d).nonzero(as_tuple=True)
-    for _ in range(512):  # cycle-walk only the out-of-range values back into [0, d)
+    for _ in range(512 // WALKS):  # cycle-walk only the out-of-range values back into [0, d)
         if rows.numel() == 0:
             return idx.sort(dim=-1).values.view(*keys.shape, k)
-        walked = _feistel(idx[rows, cols], [r[rows] for r in rks], bits)
+        walked, rk = idx[rows, cols], [r[rows] for r in rks]
+        for _ in range(WALKS):     # a value already in range stays: the same walk as one at a time
+            walked = torch.where(walked >= d, _feistel(walked, rk, bits), walked)
         idx[rows, cols] = walked
-        still = walked >= d
+        still = (walked >= d).nonzero(as_tuple=True)[0]
         rows, cols = rows[still], cols[still]
     raise AssertionError("PRF cycle-walking did not converge")
 

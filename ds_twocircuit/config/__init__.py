@@ -145,7 +145,7 @@ def load_or_exit(loader, *args, report: bool = True) -> RunConfig:
 # keys a resumed run may change: how long it runs, how it reports and waits, not what it computes
 RESUMABLE = ("train.steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.max_skipped_steps", "train.collective_timeout",
              "log.", "anchor.timeout",
-             "anchor.max_restarts", "sampler.kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.enforce_eager")
+             "anchor.max_restarts", "anchor.on_failure", "sampler.kv_cache_gib", "sampler.gpu_memory_utilization", "sampler.enforce_eager")
 
 
 def write_run_config(run: RunConfig, run_dir: pathlib.Path) -> None:

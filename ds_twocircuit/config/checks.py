@@ -224,6 +224,8 @@ def check_anchor(a: AnchorConfig) -> None:
         raise ConfigError(f"anchor.beta_m={a.beta_m}: must be in [0, 1)")
     if a.mode not in ("sync", "async"):
         raise ConfigError(f"anchor.mode='{a.mode}': expected sync or async")
+    if a.on_failure not in ("continue", "stop"):
+        raise ConfigError(f"anchor.on_failure='{a.on_failure}': expected continue or stop")
     if a.timeout <= 0:
         raise ConfigError(f"anchor.timeout={a.timeout}: must be > 0 seconds")
     if not 0.0 < a.replay_fraction <= 1.0:

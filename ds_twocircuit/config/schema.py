@@ -202,6 +202,8 @@ class AnchorConfig:
     mailbox: str = opt("", "directory shared with the anchor; default <run_dir>/anchor")
     timeout: float = opt(600.0, "sync: seconds to wait for a fire's sign before holding the last one", lo=0)
     max_restarts: int = opt(3, "a crashed managed anchor is restarted at most this often", lo=0)
+    on_failure: str = opt("continue", "once a managed anchor has used its restarts: continue (train on with the "
+                          "held sign, anchor/alive 0 every step after) | stop (end the run with an error)")
     device: int = opt(-1, "the node's GPU (physical index) the managed anchor process runs on, the only one it "
                       "sees; -1: rank 0's own, beside stage 0 and the sampler. Give it its own: 8 beside 8 stages "
                       "(launch the trainer on GPUs 0-7, e.g. --include localhost:0,1,2,3,4,5,6,7)", lo=-1)

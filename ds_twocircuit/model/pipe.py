@@ -118,7 +118,9 @@ class Decoder(torch.nn.Module):
     def forward(self, inputs):
         *wire, rows = inputs        # (h, rows), or after a cut what the codec sent (wire_out)
         rows = rows.long()          # (B, 3) [first, last+1, sample id], + [P, G] with the prompt shared
-        P, G = (int(rows[0, 3]), int(rows[0, 4])) if rows.shape[1] == 5 else (0, 0)
+        # a shared prompt's [P, G]: a host read, made only by the layers at a cut, which need it
+        shared = rows.shape[1] == 5 and (self.decode_in or self.encode_out)
+        P, G = (int(rows[0, 3]), int(rows[0, 4])) if shared else (0, 0)
         T = shared_prompts.padded_length(wire, len(rows), P, G) if P and self.decode_in else wire[0].shape[1]
         attn_BT, sid_B = mask_from_span(rows, T), rows[:, 2]
         pos_BT = positions_from_mask(attn_BT)

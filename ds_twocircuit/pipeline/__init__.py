@@ -3,8 +3,9 @@
 engine.py builds it (process group, PipelineModule, DeepSpeed's engine, the codec its cuts read);
 passes.py runs its passes (log-probs, updates, the dense gradient without an optimizer step);
 step_order.py, clip.py, grads.py and guard.py are the optimizer step (its order, the true-norm clip,
-the gradient views and comparison, the non-finite guard); wire.py counts the bytes between stages;
-comm.py carries every collective of ours outside DeepSpeed's schedule (host data on a gloo group,
+the gradient views and comparison, the non-finite guard); wire.py is the one hook on DeepSpeed's
+p2p send and receive (the bytes between stages; the tests' check that both ends agree in dtype and
+count); recv_buffers.py gives every receive buffer the sender's dtype; comm.py carries every collective of ours outside DeepSpeed's schedule (host data on a gloo group,
 payloads on the device); calibration.py reads what crosses the cuts (the lowrank
 codec's first bases).
 
@@ -30,7 +31,7 @@ def check_deepspeed_version(found: str, tested: str = TESTED_DEEPSPEED) -> None:
         raise DeepSpeedVersionError(
             f"DeepSpeed {found} is installed but ds_twocircuit is tested with {tested} only: it drives "
             "DeepSpeed's private pipeline methods (PipelineEngine._exec_schedule, _train_schedule, _compute_loss, "
-            "the p2p send, the optimizer's step), which change between releases; install the tested one: "
+            "the p2p send and receive, the receive-buffer pool, the optimizer's step), which change between releases; install the tested one: "
             f"pip install deepspeed=={tested}")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from . import comm
+from . import comm, recv_buffers, wire
 from .clip import TrueNormClip
 from ..codec.boundary import Codec, build_codec
 from ..config.deepspeed_keys import engine_config
@@ -111,6 +111,8 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
         ds["bf16"].setdefault("check_grad_overflow", True)   # else its ZeRO path steps a NaN norm (guard.py)
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()
                                                                          if p.requires_grad], config=ds)
+    recv_buffers.fit_dtypes(engine)
+    wire.install(pipe.stage_id)
     if pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
         weights, accum = engine.get_data_types()
         hint = " (zero_optimization.stage=1 accumulates them in float32)" if accum == torch.bfloat16 else ""

@@ -92,11 +92,13 @@ class FiniteGuard:
 
     @torch.no_grad()
     def _local_bad(self) -> bool:
+        """Whether any gradient or loss sum of this rank is not finite: reduced on the device, one host
+        read (not one per tensor)."""
         grads = [p.grad for p in self.params if p.grad is not None] + stepped_gradients(self.engine.optimizer)
-        grads_bad = any(not torch.isfinite(g).all() for g in grads)
         loss = self.loss_slot.current
         sums = getattr(loss, "sums", {}) if loss is not None else {}
-        return grads_bad or any(not torch.isfinite(v).all() for v in sums.values())
+        finite = [torch.isfinite(t).all() for t in [*grads, *sums.values()]]
+        return bool(finite) and not bool(torch.stack(finite).all())
 
     def _step(self, *args, **kwargs):
         flags = torch.zeros(self.pipe.num_stages, dtype=torch.float32)

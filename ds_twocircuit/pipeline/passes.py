@@ -21,10 +21,10 @@ the global token-mean's; a trimmed pass moves only float order (which rows share
 length attention runs at, the rank code's per-micro-batch draw). The last stage's per-micro-batch
 log-probs go back to (N, T−1) in the batch's order.
 
-DeepSpeed sizes its receive buffers from the shape message and reuses them; it takes receive and
-gradient buffers from one pool by position and hands out a larger buffer of another dtype as is, so a
-padded pass whose padded length, prompt columns or codec on/off differ from the last pass's, and
-every trimmed pass, first drops them on every rank (`shaped`).
+DeepSpeed sizes its receive buffers from the shape message, which it sends once and caches unless
+told otherwise, and reuses them (in the sender's dtype: recv_buffers.py); so a padded pass whose
+padded length, prompt columns or codec on/off differ from the last pass's, and every trimmed pass,
+first drops them on every rank (`shaped`), and a trimmed pass sends its shapes with every micro-batch.
 """
 import contextlib
 import dataclasses

@@ -1,20 +1,36 @@
-"""The wire accounting: bytes this rank hands to DeepSpeed's p2p layer, by direction.
+"""The one hook on DeepSpeed's pipeline p2p layer: every tensor a stage sends to or receives from
+another stage passes through it (the engine calls `p2p.send` and `p2p.recv` through the module, so
+wrapping the module functions sees all of them: payloads, gradients, side tensors, shape metadata,
+the loss's broadcast). It does two things, both at the transport:
 
-Counts everything the pipeline sends between stages: payloads, gradients, side tensors and shape
-metadata (the engine calls `p2p.send` through the module, so wrapping the module function sees
-every send). Sends to a later stage are forward, to an earlier one backward. Only sends inside a
-`counting()` block are counted, so each pass's bytes are its own:
+counting   bytes this rank hands to `p2p.send`, by direction (to a later stage: forward, to an
+           earlier one: backward), only inside a `counting()` block, so each pass's bytes are its own:
 
-    with wire.counting() as w:  ...passes...      → w.fwd, w.bwd (w.fwd_fp32, w.bwd_fp32)
+               with wire.counting() as w:  ...passes...   → w.fwd, w.bwd (w.fwd_fp32, w.bwd_fp32)
 
-The fp32 share is counted apart: a bf16 pipeline sends those tensors (dense activations, their
-gradients, a PRF payload) at half the size and everything else (b-bit codes, integer metadata) as it
-is, so `fwd - fwd_fp32 / 2` is what the same sends cost in bf16, from the real counts.
+           The fp32 share is counted apart: a bf16 pipeline sends those tensors (dense activations,
+           their gradients, a PRF payload) at half the size and everything else (b-bit codes,
+           integer metadata) as it is, so `fwd - fwd_fp32 / 2` is what the same sends cost in bf16.
+
+strict     (`DS_TWOCIRCUIT_STRICT_WIRE=1`, set by the tests) each send is preceded by a 2-value
+           header (dtype, element count) and each receive checks it against the buffer it receives
+           into, failing with both ends' (dtype, numel). NCCL requires a send and its receive to agree
+           in datatype and count and says nothing when they do not (a hang or corrupt values); gloo
+           checks bytes only. The check makes that rule hold on CPU, where the suite runs. Headers
+           are not counted, and a user's run sends none.
+
+`install(stage_id)` wraps both functions once per process (build_pipeline calls it before any pass,
+on every rank, so both ends of every send agree on the headers); `WireCounter` is its counting side.
 """
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
+
+STRICT_ENV = "DS_TWOCIRCUIT_STRICT_WIRE"
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64, torch.bool]
 
 
 @dataclass
@@ -25,32 +41,87 @@ class WireCount:
     bwd_fp32: int = 0
 
 
+class WireMismatch(RuntimeError):
+    """A receive whose buffer differs in dtype or element count from what the other end sent."""
+
+
+@dataclass
+class _Tap:
+    stage_id: int
+    strict: bool
+    count: WireCount | None = None
+
+
+_TAP: _Tap | None = None
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([_DTYPES.index(t.dtype), t.numel()], dtype=torch.int64, device=t.device)
+
+
+def _add(count: WireCount, t: torch.Tensor, forward: bool) -> None:
+    n = t.numel() * t.element_size()
+    n32 = n if t.dtype == torch.float32 else 0
+    if forward:
+        count.fwd += n
+        count.fwd_fp32 += n32
+    else:
+        count.bwd += n
+        count.bwd_fp32 += n32
+
+
+def install(stage_id: int, strict: bool | None = None) -> None:
+    """Wrap `p2p.send` and `p2p.recv` (once per process; a later call only updates the stage).
+    `strict` None: from DS_TWOCIRCUIT_STRICT_WIRE."""
+    global _TAP
+    from deepspeed.runtime.pipe import p2p
+    if strict is None:
+        strict = os.environ.get(STRICT_ENV, "0") not in ("", "0")
+    if _TAP is not None:
+        assert _TAP.strict == strict, "the wire's strict check is set once per process"
+        _TAP.stage_id = stage_id
+        return
+    _TAP = tap = _Tap(stage_id, strict)
+    send0, recv0 = (getattr(f, "__wrapped__", f) for f in (p2p.send, p2p.recv))
+
+    def send(tensor, dest_stage, async_op=False):
+        if tap.count is not None:
+            _add(tap.count, tensor, dest_stage > tap.stage_id)
+        if tap.strict:
+            send0(_header(tensor), dest_stage, async_op=async_op)
+        return send0(tensor, dest_stage, async_op=async_op)
+
+    def recv(tensor, src_stage, async_op=False):
+        if tap.strict:
+            head = torch.empty(2, dtype=torch.int64, device=tensor.device)
+            recv0(head, src_stage, async_op=async_op)
+            sent = (_DTYPES[int(head[0])], int(head[1]))
+            if sent != (tensor.dtype, tensor.numel()):
+                raise WireMismatch(f"stage {tap.stage_id} receives from stage {src_stage} into a {tensor.dtype} "
+                                   f"buffer of {tensor.numel()} elements what was sent as {sent[0]} × {sent[1]}")
+        return recv0(tensor, src_stage, async_op=async_op)
+
+    send.__wrapped__, recv.__wrapped__ = send0, recv0
+    p2p.send, p2p.recv = send, recv
+
+
+@contextlib.contextmanager
+def counting():
+    """Count the sends inside the block → the WireCount, filled as they run."""
+    assert _TAP is not None, "wire.install was not called (pipeline/engine.py build_pipeline)"
+    assert _TAP.count is None, "wire counts do not nest"
+    _TAP.count = WireCount()
+    try:
+        yield _TAP.count
+    finally:
+        _TAP.count = None
+
+
 class WireCounter:
+    """The counting side of the hook for a stage (installs it if this process has not)."""
+
     def __init__(self, stage_id: int):
-        from deepspeed.runtime.pipe import p2p
-        self.stage_id, self._count = stage_id, None
-        inner = getattr(p2p.send, "__wrapped__", p2p.send)
+        install(stage_id)
 
-        def send(tensor, dest_stage, async_op=False):
-            if self._count is not None:
-                n = tensor.numel() * tensor.element_size()
-                n32 = n if tensor.dtype == torch.float32 else 0
-                if dest_stage > self.stage_id:
-                    self._count.fwd += n
-                    self._count.fwd_fp32 += n32
-                else:
-                    self._count.bwd += n
-                    self._count.bwd_fp32 += n32
-            return inner(tensor, dest_stage, async_op=async_op)
-
-        send.__wrapped__ = inner
-        p2p.send = send
-
-    @contextlib.contextmanager
     def counting(self):
-        assert self._count is None, "wire counts do not nest"
-        self._count = WireCount()
-        try:
-            yield self._count
-        finally:
-            self._count = None
+        return counting()

@@ -58,10 +58,11 @@ def eos_ids(model_dir: str, tokenizer) -> list[int]:
     return [i for i in dict.fromkeys([tokenizer.eos_token_id, *named]) if i is not None]
 
 
-def build_sampler(model_dir: str, tc) -> Sampler:
-    """The configured backend (`sampler.*`) on the model at `model_dir`."""
+def build_sampler(model_dir: str, tc, device=None) -> Sampler:
+    """The configured backend (`sampler.*`) on the model at `model_dir`; the HF one on `device` (the
+    rank's accelerator; the CPU by default; vLLM places itself)."""
     if tc.sampler.backend == "vllm":
         from .vllm import VLLMSampler
         return VLLMSampler(model_dir, tc.sampler, tc.data.max_prompt_len + tc.grpo.max_new_tokens, tc.train.seed)
     from .hf import HFSampler
-    return HFSampler(model_dir, tc.model.attn_implementation, tc.sampler.dtype)
+    return HFSampler(model_dir, tc.model.attn_implementation, tc.sampler.dtype, device)

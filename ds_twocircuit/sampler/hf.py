@@ -19,14 +19,16 @@ from .reference import response_logprobs
 
 
 class HFSampler:
-    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`): draws from
-    softmax(logits/τ) alone, greedy by argmax, stops on every EOS id of the model."""
+    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`) on `device` (the rank's
+    accelerator; the CPU by default): draws from softmax(logits/τ) alone, greedy by argmax, stops on
+    every EOS id of the model. What it returns lives on the host, beside the rollout."""
 
-    def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32"):
+    def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32", device=None):
+        self.device = torch.device(device or "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_implementation).eval()
+            model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_implementation).eval().to(self.device)
         self.eos_id = self.tokenizer.eos_token_id
         self.eos_ids = eos_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
@@ -39,7 +41,7 @@ class HFSampler:
         params, nbytes = dict(self.model.named_parameters()), 0
         for name, t in weights.items():
             if changed is None or name in changed:
-                params[name].copy_(t)
+                params[name].copy_(t)                  # copy_ crosses devices
                 nbytes += params[name].numel() * params[name].element_size()
         return nbytes
 
@@ -60,19 +62,21 @@ class HFSampler:
             torch.manual_seed(seed)
         enc = self.tokenizer([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True,
                              add_special_tokens=False)
-        out = self.model.generate(**enc, generation_config=self._config(greedy, max_new_tokens, temperature))
+        out = self.model.generate(**{k: v.to(self.device) for k, v in enc.items()},
+                                  generation_config=self._config(greedy, max_new_tokens, temperature))
         P = enc["input_ids"].shape[1]
-        gen_NR = out.sequences[:, P:]
+        sequences = out.sequences.cpu()
+        gen_NR = sequences[:, P:]
         is_eos = torch.isin(gen_NR, torch.tensor(self.eos_ids, dtype=torch.long)).long()
         resp_NR = (is_eos.cumsum(1) - is_eos) == 0            # through the first eos, inclusive
         tau = 1.0 if greedy else temperature
         logp_NR = torch.stack([   # one new token's logits at a time: never an fp32 (N, R, V) copy
-            torch.log_softmax(z_NV.float() / tau, -1).gather(-1, g_N[:, None])[:, 0]
+            torch.log_softmax(z_NV.float() / tau, -1).gather(-1, g_N[:, None].to(z_NV.device))[:, 0].cpu()
             for z_NV, g_N in zip(out.logits, gen_NR.T)], 1)
         pad = torch.zeros(gen_NR.shape[0], P - 1)
         texts = [self.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen_NR, resp_NR)]
         ids_NT = torch.where(torch.cat([torch.ones_like(enc["input_ids"], dtype=torch.bool), resp_NR], 1),
-                             out.sequences, self.pad_id)
+                             sequences, self.pad_id)
         return Generation(
             ids_NT=ids_NT,
             attn_NT=torch.cat([enc["attention_mask"], resp_NR.long()], 1),
@@ -87,7 +91,7 @@ class HFSampler:
         now, in one teacher-forced pass: (N, T−1) float32, 0 off the response. On the tokens this
         sampler drew with the same weights they equal `generate`'s to the order of float summation
         (one pass against a cached token at a time)."""
-        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature)
+        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature, device=self.device)
 
     def _config(self, greedy: bool, max_new_tokens: int, temperature: float) -> GenerationConfig:
         """Only what we mean: no logits processor but the temperature (top_k=0, top_p=1 disable those)."""

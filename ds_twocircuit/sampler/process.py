@@ -63,7 +63,7 @@ def unpack(index: list, flat: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> None:
+def _serve(model_dir: str, tc, device: str, threads: int, parent: int, requests, replies) -> None:
     """The child: build the configured backend, then answer (ticket, method, args, kwargs) in order
     with (ticket, result, error, the tag of the weights held) until "close" or the trainer's end of
     the pipe closes. Ctrl-C reaches the whole process group; the trainer handles it, and the child
@@ -72,7 +72,7 @@ def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     from . import build_sampler
-    sampler = build_sampler(model_dir, tc)
+    sampler = build_sampler(model_dir, tc, device)
     held = None                          # the tag of the last weights loaded (None: the model's own)
     while True:
         try:
@@ -100,15 +100,16 @@ def _serve(model_dir: str, tc, threads: int, parent: int, requests, replies) -> 
 
 
 class SamplerProcess:
-    def __init__(self, model_dir: str, tc, threads: int | None = None):
+    def __init__(self, model_dir: str, tc, threads: int | None = None, device=None):
         """`threads`: torch threads the child generates with (default: every core, as rank 0's
-        generation uses them)."""
+        generation uses them); `device`: where its model lives (rank 0's accelerator; the CPU by
+        default)."""
         ctx = torch.multiprocessing.get_context("spawn")
         child_requests, self.requests = ctx.Pipe(duplex=False)
         self.replies, child_replies = ctx.Pipe(duplex=False)
         threads = threads or int(os.environ.get("DS_TWOCIRCUIT_GEN_THREADS", os.cpu_count() or 1))
-        self.proc = ctx.Process(target=_serve, args=(model_dir, tc, threads, os.getpid(), child_requests, child_replies),
-                                name="ds_twocircuit-sampler", daemon=True)
+        args = (model_dir, tc, str(device or "cpu"), threads, os.getpid(), child_requests, child_replies)
+        self.proc = ctx.Process(target=_serve, args=args, name="ds_twocircuit-sampler", daemon=True)
         self.proc.start()
         child_requests.close()           # the child's ends: its exit then reads as EOF here
         child_replies.close()

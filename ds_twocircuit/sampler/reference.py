@@ -19,31 +19,34 @@ from ..grpo.logprobs import head_logprobs
 
 
 class ReferenceLogProbs:
-    """log π_ref(target) of given sequences, with the base weights at `model_dir` in fp32."""
+    """log π_ref(target) of given sequences, with the base weights at `model_dir` in fp32 on `device`
+    (the rank's accelerator; the CPU by default)."""
 
-    def __init__(self, model_dir: str, attn_implementation: str = "sdpa", rows_per_forward: int = 64):
+    def __init__(self, model_dir: str, attn_implementation: str = "sdpa", rows_per_forward: int = 64, device=None):
+        self.device = torch.device(device or "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
+            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval().to(self.device)
         self.rows = rows_per_forward
 
     def __call__(self, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
                  temperature: float) -> torch.Tensor:
         """→ (N, T−1) float32: log π_ref of ids[:, j+1] at column j on response targets, 0 elsewhere."""
-        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature, self.rows)
+        return response_logprobs(self.model, ids_NT, attn_NT, resp_NT1, temperature, self.rows, self.device)
 
 
 @torch.no_grad()
 def response_logprobs(model, ids_NT: torch.Tensor, attn_NT: torch.Tensor, resp_NT1: torch.Tensor,
-                      temperature: float, rows: int = 64) -> torch.Tensor:
+                      temperature: float, rows: int = 64, device=None) -> torch.Tensor:
     """An HF causal LM's log-probs of given sequences' response tokens in one teacher-forced pass (its
-    own dtype, the logits cast to fp32 as `generate`'s are), `rows` sequences a forward: (N, T−1)
-    float32, log p(ids[:, j+1]) at column j on response targets, 0 elsewhere."""
+    own dtype, the logits cast to fp32 as `generate`'s are) on `device` (the model's), `rows` sequences
+    a forward: (N, T−1) float32 on the host, log p(ids[:, j+1]) at column j on response targets, 0
+    elsewhere."""
     out, head_VD = [], model.get_output_embeddings().weight
     for i in range(0, ids_NT.shape[0], rows):
-        ids, attn = ids_NT[i:i + rows], attn_NT[i:i + rows]
+        ids, attn = ids_NT[i:i + rows].to(device), attn_NT[i:i + rows].to(device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-        out.append(head_logprobs(h[:, :-1], head_VD, ids[:, 1:], temperature)[0])
+        h = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
+        out.append(head_logprobs(h[:, :-1], head_VD, ids[:, 1:], temperature)[0].cpu())
     return torch.cat(out) * resp_NT1
 
 

@@ -95,4 +95,4 @@ def dump_for_tests(mirror: dict[str, torch.Tensor], sampler) -> None:
     save_file({n: t.contiguous() for n, t in mirror.items()}, str(pathlib.Path(out) / "mirror.safetensors"))
     held = sampler.held_weights()
     if held is not None:
-        save_file({n: t.detach().contiguous() for n, t in held.items()}, str(pathlib.Path(out) / "held.safetensors"))
+        save_file({n: t.detach().cpu().contiguous() for n, t in held.items()}, str(pathlib.Path(out) / "held.safetensors"))
