@@ -4,9 +4,10 @@
 
 Runs, in one process on the CPU, what the pipeline's stages run for one micro-batch at a cut: the
 embedding, the cut's two decoder layers (encode after one, decode before the next), the final norm,
-the head and the GRPO token loss, forward and backward, for each codec with the prompt shared and not. Under a dispatch mode it counts the calls that
-need a value on the host: `.item()`, `bool()`/`int()`/`float()` of a tensor (aten._local_scalar_dense),
-`nonzero`, boolean-mask indexing, `masked_select`. Each is a device-to-host copy that blocks the CPU
+the head and the GRPO token loss, forward and backward, for each codec with the prompt shared and
+not. Under a dispatch mode it counts the calls that need a value on the host: `.item()`,
+`bool()`/`int()`/`float()` of a tensor (aten._local_scalar_dense), `nonzero`, boolean-mask
+indexing, `masked_select`. Each is a device-to-host copy that blocks the CPU
 until the stream has caught up. Prints a table (one row per codec and sharing) and the seconds of
 PRF's kept-set computation at the given shape and at 1.5B's (4096 tokens a micro-batch).
 """

@@ -5,9 +5,9 @@ passes.py runs its passes (log-probs, updates, the dense gradient without an opt
 step_order.py, clip.py, grads.py and guard.py are the optimizer step (its order, the true-norm clip,
 the gradient views and comparison, the non-finite guard); wire.py is the one hook on DeepSpeed's
 p2p send and receive (the bytes between stages; the tests' check that both ends agree in dtype and
-count); recv_buffers.py gives every receive buffer the sender's dtype; comm.py carries every collective of ours outside DeepSpeed's schedule (host data on a gloo group,
-payloads on the device); calibration.py reads what crosses the cuts (the lowrank
-codec's first bases).
+count); recv_buffers.py gives every receive buffer the sender's dtype; comm.py carries every
+collective of ours outside DeepSpeed's schedule (host data on a gloo group, payloads on the device);
+calibration.py reads what crosses the cuts (the lowrank codec's first bases).
 
 Importing the package asserts the installed DeepSpeed is the release it was tested with
 (TESTED_DEEPSPEED, pinned in pyproject.toml): the modules here drive DeepSpeed's private pipeline
@@ -31,7 +31,8 @@ def check_deepspeed_version(found: str, tested: str = TESTED_DEEPSPEED) -> None:
         raise DeepSpeedVersionError(
             f"DeepSpeed {found} is installed but ds_twocircuit is tested with {tested} only: it drives "
             "DeepSpeed's private pipeline methods (PipelineEngine._exec_schedule, _train_schedule, _compute_loss, "
-            "the p2p send and receive, the receive-buffer pool, the optimizer's step), which change between releases; install the tested one: "
+            "the p2p send and receive, the receive-buffer pool, the optimizer's step), which change between "
+            "releases; install the tested one: "
             f"pip install deepspeed=={tested}")
 
 
