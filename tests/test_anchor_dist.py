@@ -161,18 +161,24 @@ def test_anchor_killed_at_given_fires(tiny_model, tmp_path):
     assert (sign_dir(mailbox, published_fires(mailbox)[-1]) / "bases.safetensors").is_file()
 
 
-def test_an_anchor_out_of_restarts_stops_the_run_when_asked(tiny_model, tmp_path):
-    """anchor.on_failure=stop: the managed anchor dies as it starts fire 2 with no restart left
-    (anchor.max_restarts=0); every rank ends at the same step with one error naming the key, and
-    the steps before it are logged with the anchor alive."""
+@pytest.mark.parametrize("on_failure", ["stop", "continue"])
+def test_an_anchor_out_of_restarts_stops_or_continues_as_asked(tiny_model, tmp_path, on_failure):
+    """The managed anchor dies as it starts fire 2 with no restart left (anchor.max_restarts=0).
+    anchor.on_failure=stop: every rank ends at that step with one error naming the key, the steps
+    before it logged with the anchor alive. continue: the run ends on its own, holding fire 0's sign,
+    with anchor/alive 0 from the step the anchor was given up."""
     p = launch(8, tmp_path, "anchor.enabled=true", "anchor.every=2", "anchor.staleness=0", "anchor.mode=sync",
-               "anchor.timeout=300", "anchor.max_restarts=0", "anchor.on_failure=stop", "train.steps=6",
+               "anchor.timeout=300", "anchor.max_restarts=0", f"anchor.on_failure={on_failure}", "train.steps=4",
                "train.eval_every=100", "train.save_every=0", "train.probe_every=0",
                env={"DS_TWOCIRCUIT_KILL_AT": "fire@2@anchor0"}, timeout=300, check=False)
-    out = p.stdout + p.stderr
-    assert p.returncode != 0 and "anchor.on_failure=stop" in out, out[-3000:]
-    r = rows(tmp_path)
-    assert [x["step"] for x in r] == [1, 2] and all(x["anchor/alive"] == 1.0 for x in r), r
+    out, r = p.stdout + p.stderr, rows(tmp_path)
+    if on_failure == "stop":
+        assert p.returncode != 0 and "anchor.on_failure=stop" in out, out[-3000:]
+        assert [x["step"] for x in r] == [1, 2] and all(x["anchor/alive"] == 1.0 for x in r), r
+    else:
+        assert p.returncode == 0, out[-3000:]
+        assert [x["step"] for x in r] == [1, 2, 3, 4] and [x["anchor/fire"] for x in r] == [0] * 4
+        assert [x["anchor/alive"] for x in r] == [1.0, 1.0, 0.0, 0.0], r
 
 
 def test_memory_forecast_and_a_codec_on_one_cut(tiny_model, tmp_path):
