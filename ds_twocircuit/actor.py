@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .pipeline import passes
+from .pipeline import passes, wire
 from .metrics import telemetry
 from .anchor.correction import Agreement, SignCorrection
 from .codec.boundary import PayloadCount
@@ -27,7 +27,7 @@ from .pipeline.guard import FiniteGuard, Verdict
 from .grpo.rollout_correction import CORRECTION_SUMS, correction_sums, largest_weight
 from .metrics.health import MISMATCH_SUMS, SPLIT_SUMS, STALENESS_SUMS, mismatch_split, mismatch_sums
 from .pipeline.step_order import install_step_hooks
-from .pipeline.wire import WireCount, WireCounter
+from .pipeline.wire import WireCount
 
 
 @dataclass
@@ -62,7 +62,6 @@ class Actor:
         """`anchor_alpha`: the sign correction's α, None without an anchor (no correction hook)."""
         self.p = p
         self.base = [q.detach().clone() for q in p.pipe.parameters()]   # reference policy and θ_0
-        self.wire = WireCounter(p.stage)
         self.guard = FiniteGuard(p.engine, p.pipe, p.loss, own_skip=p.per_param_grads)
         views = GradientViews(p.engine, p.pipe)
         self.compare = GradientComparison(views)
@@ -81,7 +80,7 @@ class Actor:
         correcting = self.correction.applying(sign) if self.correction else contextlib.nullcontext(Agreement())
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.p.codec.keyed(t))
-            yield StepCounts(stack.enter_context(self.wire.counting()), stack.enter_context(self.p.codec.counting()),
+            yield StepCounts(stack.enter_context(wire.counting()), stack.enter_context(self.p.codec.counting()),
                              stack.enter_context(correcting), stack.enter_context(self.guard.checking(t)))
 
     def probe(self, shard: tuple[Rollout, float], sampler_ref: torch.Tensor | None, coefs: LossCoefs,
@@ -97,7 +96,7 @@ class Actor:
         p, (mb, ntok) = self.p, shard
         w = mb.resp_NT1 / max(ntok, 1.0)
         grads, view = None, {}
-        with p.codec.off(), self.wire.counting() as wire:
+        with p.codec.off(), wire.counting() as sent:
             dense = passes.logprobs(p, mb)
             ref = sampler_ref if sampler_ref is not None else passes.logprobs(p, mb, self.base)
             view["actor/kl_loss"] = float((w * k3_kl(dense, ref, w > 0)).sum())   # the true drift
@@ -106,7 +105,7 @@ class Actor:
                 view["actor/entropy"] = sums.get("actor/entropy")   # the last stage's
         values = {**mismatch_sums(mb.sampler_logp_NT1, dense, w), **view} if p.last_stage else None
         partials = {"probe/" + k: v for k, v in telemetry.owned(MISMATCH_SUMS + list(view), values).items()}
-        return Probe({**partials, "probe/_bytes_fwd": float(wire.fwd)}, grads, dense if p.last_stage else None,
+        return Probe({**partials, "probe/_bytes_fwd": float(sent.fwd)}, grads, dense if p.last_stage else None,
                      rescored)
 
     def update(self, t: int, shards: list[tuple[Rollout, float]], probe: Probe | None, sampler_refs, kept,

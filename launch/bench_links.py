@@ -50,7 +50,7 @@ def worker(a) -> None:
     from ds_twocircuit.config import TwoCircuitConfig
     from ds_twocircuit.pipeline.engine import build_pipeline, init_distributed
     from ds_twocircuit.grpo.loss import LossCoefs
-    from ds_twocircuit.pipeline.wire import WireCounter
+    from ds_twocircuit.pipeline import wire
 
     torch.set_num_threads(1)
     init_distributed(timeout_s=1800)
@@ -66,7 +66,7 @@ def worker(a) -> None:
         "train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": a.gas, "gradient_clipping": 0.0,
         "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-6, "torch_adam": True}}})
     base = [q.detach().clone() for q in p.pipe.parameters()]
-    wire, rank, ctl = WireCounter(p.stage), dist.get_rank(), pathlib.Path(a.control)
+    rank, ctl = dist.get_rank(), pathlib.Path(a.control)
     for i, ph in enumerate(phases):
         batch = synthetic_rollout(a.micro * a.gas, ph["seq"], p.pipe.config.vocab_size)
         z = torch.zeros_like(batch.resp_NT1)

@@ -42,7 +42,7 @@ def worker(a) -> None:
     from ds_twocircuit.pipeline import passes
     from ds_twocircuit.pipeline.engine import build_pipeline, init_distributed
     from ds_twocircuit.pipeline.layout import choose_layout, long_tailed_spans
-    from ds_twocircuit.pipeline.wire import WireCounter
+    from ds_twocircuit.pipeline import wire
 
     run = load_config(a.ds_config, [f"model.path={a.model}", "log.wandb=false"], world_size=8)
     init_distributed(run.tc.train.collective_timeout)
@@ -59,7 +59,7 @@ def worker(a) -> None:
                     rewards_N=torch.zeros(len(span)), adv_N=torch.randn(len(span), generator=g),
                     sample_id_N=torch.arange(len(span)))
     base = [q.detach().clone() for q in p.pipe.parameters()]
-    wire, zero = WireCounter(p.stage), torch.zeros_like(resp)
+    zero = torch.zeros_like(resp)
     rows = []
     for rep in range(a.repeats):
         for mode in ("never", "always"):

@@ -20,7 +20,7 @@ strict     (`DS_TWOCIRCUIT_STRICT_WIRE=1`, set by the tests) each send is preced
            are not counted, and a user's run sends none.
 
 `install(stage_id)` wraps both functions once per process (build_pipeline calls it before any pass,
-on every rank, so both ends of every send agree on the headers); `WireCounter` is its counting side.
+on every rank, so both ends of every send agree on the headers); `counting()` reads it.
 """
 import contextlib
 import os
@@ -115,13 +115,3 @@ def counting():
         yield _TAP.count
     finally:
         _TAP.count = None
-
-
-class WireCounter:
-    """The counting side of the hook for a stage (installs it if this process has not)."""
-
-    def __init__(self, stage_id: int):
-        install(stage_id)
-
-    def counting(self):
-        return counting()

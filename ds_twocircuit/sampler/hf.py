@@ -65,14 +65,14 @@ class HFSampler:
         out = self.model.generate(**{k: v.to(self.device) for k, v in enc.items()},
                                   generation_config=self._config(greedy, max_new_tokens, temperature))
         P = enc["input_ids"].shape[1]
+        tau = 1.0 if greedy else temperature
+        logp_NR = torch.stack([   # one new token's logits at a time: never an fp32 (N, R, V) copy
+            torch.log_softmax(z_NV.float() / tau, -1).gather(-1, g_N[:, None])[:, 0]
+            for z_NV, g_N in zip(out.logits, out.sequences[:, P:].T)], 1).cpu()   # on the host once
         sequences = out.sequences.cpu()
         gen_NR = sequences[:, P:]
         is_eos = torch.isin(gen_NR, torch.tensor(self.eos_ids, dtype=torch.long)).long()
         resp_NR = (is_eos.cumsum(1) - is_eos) == 0            # through the first eos, inclusive
-        tau = 1.0 if greedy else temperature
-        logp_NR = torch.stack([   # one new token's logits at a time: never an fp32 (N, R, V) copy
-            torch.log_softmax(z_NV.float() / tau, -1).gather(-1, g_N[:, None].to(z_NV.device))[:, 0].cpu()
-            for z_NV, g_N in zip(out.logits, gen_NR.T)], 1)
         pad = torch.zeros(gen_NR.shape[0], P - 1)
         texts = [self.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen_NR, resp_NR)]
         ids_NT = torch.where(torch.cat([torch.ones_like(enc["input_ids"], dtype=torch.bool), resp_NR], 1),
