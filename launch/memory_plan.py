@@ -1,49 +1,39 @@
-"""The per-GPU peak of the 1.5B recipe on 8 GPUs (9 with the anchor's own), from its configs and
-per-token costs measured on this CPU at the real width.
+"""Each GPU's peak on one node, from a recipe and its model's shape: the plan the trainer checks on CUDA
+before launch (ds_twocircuit/config/memory.py, its formulas in that module's docstring), printed.
 
     python launch/memory_plan.py [--ds-config ds_configs/prf95_qwen1p5b.json] [--gpu-gib 78]
-                                 [--tokens 2048] [--anchor-device own|shared]
+                                 [--world-size 8] [--measure [--tokens 2048]] [key=value ...]
 
-Measured here, each in a fresh process at Qwen2.5-Math-1.5B's shape (hidden 1536, MLP 8960, 12 heads
-over 2 KV heads, vocabulary 151 936), bf16, peak resident memory above the inputs:
+`key=value` overrides the recipe as on the trainer's command line (`anchor.device=-1`,
+`sampler.backend=hf`, ...). A recipe whose `model.path` is Qwen/Qwen2.5-Math-1.5B and not in the
+local HF cache is planned from that model's config.json, written here, so the plan runs without a
+download. `--measure` replaces two of the formulas' per-token costs by measurements on this CPU at
+the real width, each in a fresh process, peak resident memory above the inputs:
   - one decoder layer's forward and backward over `tokens` positions, the gradient of its input only
     (what activation checkpointing recomputes and holds for one layer of one micro-batch during its
     backward; the weights' gradients are training state), per token;
   - the last stage's chunked log-probs (grpo/logprobs.py) over `tokens` positions.
-From the configs, by arithmetic: training state 20 bytes a parameter under DeepSpeed's bf16
-optimizer (bf16 weights and gradients, fp32 master weights and gradient accumulation, Adam's two
-moments; ZeRO-1 has one replica per stage here, so divides nothing), each stage's checkpointed layer
-inputs (bf16, one per layer per micro-batch in flight: 1F1B keeps S − s of them on stage s), vLLM's
-`sampler.gpu_memory_utilization` of GPU 0, and the anchor in fp32 (weights, gradient, the base model,
-M and the θ it rebuilds: 20 bytes a parameter) with its own checkpointed replay of one micro-batch.
-Micro-batches are taken at their padded worst case, micro × (max_prompt_len + max_new_tokens)
-tokens. Not counted: CUDA's context and allocator slack, NCCL's buffers (about 1–2 GB a process).
 The layer's cost per token grows with the measured length on this CPU (70 KiB at 1024 positions,
 about 105 KiB at 2048): its sdpa materialises attention scores there, a GPU's flash kernel does not,
-so the recomputed layer's column is an upper bound.
+so the measured column is an upper bound.
 """
 import argparse
 import json
 import resource
-import subprocess
 import pathlib
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from ds_twocircuit.config.checks import REFERENCE_STAGES, even_split  # noqa: E402  (light: no torch)
+from ds_twocircuit.config import ConfigError  # noqa: E402  (light: no torch)
+from ds_twocircuit.config.checks import model_config  # noqa: E402
+from ds_twocircuit.config.memory import GiB, MIN_FREE, Shape, placement_plan, refuse_crowded  # noqa: E402
 
-GiB = 2 ** 30
 # Qwen2.5-Math-1.5B's config.json (the recipe's model.path), so the plan runs without a download
 QWEN_1P5B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
              "num_key_value_heads": 2, "vocab_size": 151_936, "tie_word_embeddings": True, "rope_theta": 10_000.0,
              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6}
-
-
-def layer_params(c: dict) -> int:
-    d, f, h, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    head = d // h
-    attn = d * d + 2 * d * kv * head + d * d + d + 2 * kv * head      # q, k, v (with biases), o
-    return attn + 3 * d * f + 2 * d                                     # the MLP, two norms
 
 
 def rss_above(base: int) -> float:
@@ -76,68 +66,66 @@ def measure_head(tokens: int) -> float:
     return measure("chunked", tokens, QWEN_1P5B["hidden_size"], QWEN_1P5B["vocab_size"], "bf16")["peak_GiB"]
 
 
-def measured(what: str, tokens: int) -> float:
+def measured_gib(what: str, tokens: int) -> float:
     out = subprocess.run([sys.executable, __file__, "--one", what, str(tokens)], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"measuring {what} failed: {out.stderr.strip().splitlines()[-1:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def plan(ds: dict, layer_gib_per_token: float, head_gib: float, gpu_gib: float, anchor_own: bool) -> list[tuple]:
-    tc, c = ds["twocircuit"], QWEN_1P5B
-    split = tc["model"].get("layers_per_stage") or even_split(c["num_hidden_layers"], REFERENCE_STAGES)   # as derived on 8 ranks
-    S, d, V = len(split), c["hidden_size"], c["vocab_size"]
-    micro = ds["train_micro_batch_size_per_gpu"]
-    tokens = micro * (tc["data"]["max_prompt_len"] + tc["grpo"]["max_new_tokens"])
-    per_layer, embed = layer_params(c), V * d
-    rows = []
-    for s, n in enumerate(split):
-        params = n * per_layer + (embed if s in (0, S - 1) else 0) + (d if s == S - 1 else 0)
-        state = params * 20 / GiB
-        ckpt = (S - s) * n * tokens * d * 2 / GiB                 # bf16 layer inputs of the micro-batches in flight
-        recompute = layer_gib_per_token * tokens
-        head = head_gib if s == S - 1 else 0.0
-        sampler = tc.get("sampler", {}).get("gpu_memory_utilization", 0.3) * gpu_gib if s == 0 else 0.0
-        rows.append((f"GPU {s}: stage {s}" + (" + vLLM" if s == 0 else "") + (" + loss" if s == S - 1 else ""),
-                     params, state, ckpt, recompute, head, sampler))
-    a_params = sum(split) * per_layer + embed + d
-    a_state = a_params * 20 / GiB
-    a_ckpt = sum(split) * tokens * d * 4 / GiB                  # fp32, one micro-batch
-    a_row = (f"GPU {S if anchor_own else 0}: the anchor", a_params, a_state, a_ckpt,
-             layer_gib_per_token * 2 * tokens, head_gib * 2, 0.0)    # fp32 activations: twice bf16's
-    if anchor_own:
-        rows.append(a_row)
-    else:
-        rows[0] = (rows[0][0] + " + the anchor", rows[0][1] + a_params,
-                   *[x + y for x, y in zip(rows[0][2:], a_row[2:])])
-    return rows, tokens
+def load(path: str, overrides: list[str], world_size: int):
+    """The recipe as the trainer reads it (data files unchecked); the 1.5B model's shape from the
+    config.json above when the hub name is not in the local cache."""
+    from ds_twocircuit.config import ConfigError, config_from_dict
+    raw = json.load(open(path))
+    try:
+        return config_from_dict(raw, overrides, world_size, read_data=False)
+    except ConfigError as e:
+        if raw.get("twocircuit", {}).get("model", {}).get("path") != "Qwen/Qwen2.5-Math-1.5B" or "model.path" not in str(e):
+            raise
+    d = pathlib.Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps({**QWEN_1P5B, "model_type": "qwen2"}))
+    return config_from_dict(raw, [f"model.path={d}", *overrides], world_size, read_data=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ds-config", default="ds_configs/prf95_qwen1p5b.json")
-    ap.add_argument("--gpu-gib", type=float, default=78.0, help="usable memory of one GPU (an 80 GB H100: about 78)")
+    ap.add_argument("--gpu-gib", type=float, default=78.0, help="memory of one GPU (an 80 GB H100: about 78)")
+    ap.add_argument("--world-size", type=int, default=8, help="ranks, all on this node")
+    ap.add_argument("--measure", action="store_true", help="measure the layer's and the head's cost on this CPU")
     ap.add_argument("--tokens", type=int, default=2048, help="positions each CPU measurement runs over")
-    ap.add_argument("--anchor-device", choices=["own", "shared"], default="own")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="dotted twocircuit keys, e.g. anchor.device=-1")
     a = ap.parse_args()
     if a.one:
         print((measure_layer if a.one[0] == "layer" else measure_head)(int(a.one[1])))
         return
-    ds = json.load(open(a.ds_config))
-    layer = measured("layer", a.tokens) / a.tokens
-    head = measured("head", a.tokens)
-    rows, tokens = plan(ds, layer, head, a.gpu_gib, a.anchor_device == "own")
-    print(f"{a.ds_config}: micro-batch {tokens} tokens (padded worst case); measured on this CPU at "
-          f"{a.tokens} tokens: one layer's forward + backward {layer * 2 ** 20:.1f} KiB/token, the chunked head "
-          f"{head:.2f} GiB")
-    print(f"| GPU | parameters | training state | checkpointed inputs | one layer recomputed | head | sampler "
-          f"| total (GiB) | fits {a.gpu_gib:.0f} GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, params, *parts in rows:
-        total = sum(parts)
-        print(f"| {name} | {params / 1e6:.0f} M | " + " | ".join(f"{x:.1f}" for x in parts)
-              + f" | {total:.1f} | {'yes' if total < a.gpu_gib else '**no**'} |")
+    run = load(a.ds_config, a.overrides, a.world_size)
+    shape = Shape.from_hf(model_config(run.tc.model))
+    measured = {}
+    if a.measure:
+        measured = {"layer_bytes_per_token": measured_gib("layer", a.tokens) / a.tokens * GiB,
+                    "head": measured_gib("head", a.tokens)}
+        print(f"measured on this CPU at {a.tokens} tokens: one layer's forward + backward "
+              f"{measured['layer_bytes_per_token'] / 1024:.1f} KiB/token, the chunked head {measured['head']:.2f} GiB")
+    plan = placement_plan(run.tc, run.ds, shape, a.world_size, a.world_size, a.gpu_gib, **measured)
+    print(f"{a.ds_config} {' '.join(a.overrides)}: {shape.params() / 1e6:.0f} M parameters, micro-batch "
+          f"{run.ds['train_micro_batch_size_per_gpu']} x {run.tc.data.max_prompt_len + run.tc.grpo.max_new_tokens} "
+          f"tokens (padded worst case); GiB\n")
+    print(f"| GPU | process | parts | GiB | GPU total | fits {a.gpu_gib:.0f} GiB with {MIN_FREE * 100:.0f} % free |")
+    print("|---|---|---|---|---|---|")
+    for gpu, procs in plan.items():
+        total = sum(p.gib for p in procs)
+        for i, p in enumerate(procs):
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in p.parts.items())
+            last = i == len(procs) - 1
+            print(f"| {gpu if i == 0 else ''} | {p.name} | {parts} | {p.gib:.1f} | {f'{total:.1f}' if last else ''} | "
+                  f"{('yes' if total <= (1 - MIN_FREE) * a.gpu_gib else '**no**') if last else ''} |")
+    try:
+        refuse_crowded(plan, a.gpu_gib)
+    except ConfigError as e:
+        print(f"\nthe trainer refuses this placement on a {a.gpu_gib:.0f} GiB GPU: {e}")
 
 
 if __name__ == "__main__":

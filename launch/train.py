@@ -5,8 +5,9 @@
 Parse and validate the whole config and its inputs first (no process group yet, so a mistake costs
 seconds and prints one line), refuse to write over an earlier run in the run dir (unless --resume or
 --overwrite), check that the installed DeepSpeed is the release the pipeline was tested with (one
-line too), make sure the base model exists (the embedded one is built once and cached), then start
-the process group, build the pipeline engine and train. A collective that waits longer than
+line too), on CUDA refuse a placement whose memory plan leaves a GPU under 10 % free (one line
+naming the key to move: config/memory.py), make sure the base model exists (the embedded one is
+built once and cached), then start the process group, build the pipeline engine and train. A collective that waits longer than
 train.collective_timeout stops the run with one line; so does Ctrl-C, with the command to continue.
 """
 import argparse
@@ -73,6 +74,10 @@ def main(argv=None) -> None:
         if local0:   # each node checks the files it will read
             print(f"[resume] {load_or_exit(verify_latest, run_dir / 'checkpoints')}", flush=True)
     require_tested_deepspeed(report=rank0)
+    gpu_gib = cuda_gib()
+    if gpu_gib:   # every rank plans the same placement; a crowded GPU stops the launch here, in one line
+        from ds_twocircuit.config.memory import check_placement
+        load_or_exit(check_placement, run, gpu_gib, dict(os.environ), report=local0)
     if args.overwrite and local0:   # before the rendezvous: no rank writes yet
         load_or_exit(run_dirs.clear, run_dir, report=True)
     interrupt.install(run_dir, sys.argv, report=rank0)
@@ -125,6 +130,15 @@ def require_tested_deepspeed(report: bool) -> None:
         else:
             time.sleep(REPORT_WAIT_S)
         sys.exit(2)
+
+
+def cuda_gib() -> float | None:
+    """One GPU's memory in GiB where the run trains on CUDA (DeepSpeed's accelerator), else None."""
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cuda":
+        return None
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
 
 
 def first_to_report(key: str) -> bool:

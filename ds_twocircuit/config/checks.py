@@ -297,7 +297,25 @@ def has_chat_template(model: ModelConfig) -> bool:
     return not isinstance(cfg, str) or "chat_template" in json.loads(pathlib.Path(cfg).read_text())
 
 
+EMBEDDED_VOCAB = 17   # model/tiny.py's character vocabulary (3 specials, 14 characters)
+
+
+def model_config(model: ModelConfig) -> dict:
+    """The model's config.json as a dict (the embedded model's, in the same keys)."""
+    if model.path:
+        return _hf_config(model)
+    e = model.embedded_config()
+    return {"hidden_size": e.hidden_size, "intermediate_size": e.intermediate_size or 4 * e.hidden_size,
+            "num_hidden_layers": e.num_layers, "num_attention_heads": e.num_heads,
+            "num_key_value_heads": e.num_kv_heads, "vocab_size": EMBEDDED_VOCAB, "tie_word_embeddings": True}
+
+
 def _hf_config_value(model: ModelConfig, key: str) -> int:
+    cfg = _hf_config(model)
+    return cfg.get(key) or cfg["text_config"][key]
+
+
+def _hf_config(model: ModelConfig) -> dict:
     cfg_file = pathlib.Path(model.path) / "config.json"
     if not cfg_file.is_file() and pathlib.Path(model.path).exists():
         raise ConfigError(f"model.path='{model.path}': no config.json there (an HF model directory has one)")
@@ -310,8 +328,7 @@ def _hf_config_value(model: ModelConfig, key: str) -> int:
         except Exception as e:
             raise ConfigError(f"model.path='{model.path}': not a model directory, nor a hub name in the local HF "
                               f"cache (fetch it first: hf download {model.path}) ({str(e).splitlines()[0]})") from None
-    cfg = json.loads(cfg_file.read_text())
-    return cfg.get(key) or cfg["text_config"][key]
+    return json.loads(cfg_file.read_text())
 
 
 def inert_keys(tc: TwoCircuitConfig) -> dict[str, str]:
