@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .pipeline import passes, wire
+from .pipeline import passes, traffic, wire
 from .metrics import telemetry
 from .anchor.correction import Agreement, SignCorrection
 from .codec.boundary import PayloadCount
@@ -96,7 +96,7 @@ class Actor:
         p, (mb, ntok) = self.p, shard
         w = mb.resp_NT1 / max(ntok, 1.0)
         grads, view = None, {}
-        with p.codec.off(), wire.counting() as sent:
+        with p.codec.off(), wire.counting() as sent, traffic.boundary("boundary_probe"):
             dense = passes.logprobs(p, mb)
             ref = sampler_ref if sampler_ref is not None else passes.logprobs(p, mb, self.base)
             view["actor/kl_loss"] = float((w * k3_kl(dense, ref, w > 0)).sum())   # the true drift
@@ -126,8 +126,9 @@ class Actor:
             shards = [(rows, ntok) for (rows, _), (_, ntok) in zip(picked, shards)]
         zeros = [torch.zeros_like(mb.resp_NT1) for mb, _ in shards]
         with self.stepping(t, sign) as counts, self.stepped.recording() as stepped_sq:
-            refs = zeros if coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
-                [passes.logprobs(p, mb, self.base) for mb, _ in shards]
+            with traffic.boundary("boundary_reference"):
+                refs = zeros if coefs.kl_coef == 0 else sampler_refs if sampler_refs is not None else \
+                    [passes.logprobs(p, mb, self.base) for mb, _ in shards]
             olds = zeros if on_policy else [passes.logprobs(p, mb) for mb, _ in shards]
             counts.evals = dataclasses.replace(counts.payload)
             updates, dots = [], None

@@ -73,10 +73,12 @@ class RolloutSide:
         the bytes the ranks received)."""
         r = self._sample(t) if self.task is not None else None
         every, tokens = (split_rollout(r) if r is not None else (None, None))
-        meta = comm.broadcast_object((comm.shapes_of(every), comm.shapes_of(tokens)) if r is not None else None)
-        every = comm.broadcast_tensors(every, len(every or meta[0]), host=True, meta=meta[0])
+        meta = comm.broadcast_object((comm.shapes_of(every), comm.shapes_of(tokens)) if r is not None else None,
+                                     kind="rollout")
+        every = comm.broadcast_tensors(every, len(every or meta[0]), host=True, meta=meta[0], kind="rollout")
         if dist.get_rank() in ends:
-            tokens = comm.broadcast_tensors(tokens, len(meta[1]), host=True, group=ends_group, meta=meta[1])
+            tokens = comm.broadcast_tensors(tokens, len(meta[1]), host=True, group=ends_group, meta=meta[1],
+                                            kind="rollout")
         else:
             tokens = [torch.zeros((), dtype=dtype).expand(shape) for shape, dtype in meta[1]]
         sent = comm.nbytes(every) * (dist.get_world_size() - 1) + comm.nbytes(tokens) * (len(ends) - 1)
@@ -243,7 +245,7 @@ def to_every_rank(values_NT1: torch.Tensor | None, resp_NT1: torch.Tensor) -> to
     other ranks pass None): only the response tokens' floats cross, received on the device path."""
     flat = pack(values_NT1, resp_NT1) if values_NT1 is not None else \
         torch.empty(int((resp_NT1 > 0).sum()), device=comm.device())
-    return unpack(comm.broadcast_(flat, host=True), resp_NT1)
+    return unpack(comm.broadcast_(flat, host=True, kind="reference"), resp_NT1)
 
 
 TOKENS = ("ids_NT", "sampler_logp_NT1")   # read by the first stage (ids) and the last (targets, the sampler's log-probs)

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import os
 import time
 
 import torch
@@ -42,7 +43,7 @@ from .pipeline.calibration import initial_bases
 from .run import provenance
 from .run.checkpoint import Checkpointer
 from .config import RunConfig, as_dict
-from .pipeline import comm
+from .pipeline import comm, traffic
 from .pipeline.engine import build_pipeline
 from .pipeline.guard import TrainingStopped, Verdict
 from .grpo.loss import LossCoefs
@@ -81,6 +82,21 @@ class Trainer:
         self.rollouts.restore_ahead(ahead)
         for j in range(self.start, self.start + tc.rollout.staleness + 1) if tc.rollout.staleness else ():
             self.request(j)                             # batches start … start+k: from θ_start (or restored)
+        self.hosts = self._hosts(p.engine.grid)
+        traffic.take(dist.get_world_size())   # what the start moved (the first sync: every weight) is no step's
+        self.act_bytes = 2 if any(run.ds.get(k, {}).get("enabled") for k in ("bf16", "fp16")) else 4
+
+    def _hosts(self, grid) -> list[str] | None:
+        """Rank 0: each endpoint's host (traffic.host_map), nodes from the launcher where it started
+        several (CROSS_SIZE, each rank's CROSS_RANK); None elsewhere."""
+        nodes = comm.gather_to_rank0(torch.tensor([int(os.environ.get("CROSS_RANK", "0"))]))
+        if nodes is None:
+            return None
+        stage_of = {grid.stage_to_global(stage_id=s, data=d): s
+                    for s in range(grid.pipe_parallel_size) for d in range(grid.data_parallel_size)}
+        multi = int(os.environ.get("CROSS_SIZE", "1")) > 1
+        return traffic.host_map([stage_of[r] for r in range(len(nodes))], [int(n) for n in nodes] if multi else None,
+                                self.tc.anchor.external)
 
     def _anchor(self, run: RunConfig, held_fire: int | None, shapes) -> tuple[AnchorLink, dict | None]:
         """The anchor process's link, restored to the fire held at the checkpoint; → (it, the held sign(M))."""
@@ -171,7 +187,8 @@ class Trainer:
         kept = nonzero_advantage_tokens(rollout, g.ppo_mini_batches) if g.skip_zero_advantage else None
         # a dense step runs every pass uncompressed and steps its true gradient: the sign correction,
         # there to undo the codec's damage, would re-sign it by another batch's stale momentum
-        with p.codec.off() if dense else contextlib.nullcontext():
+        with p.codec.off() if dense else contextlib.nullcontext(), \
+                traffic.boundary("boundary_dense" if dense else "boundary_update"):
             partials, grad_norm, verdict = self.actor.update(t, shards, probe, refs, kept, self.coefs,
                                                              None if dense else self.sign, g.ppo_epochs)
         sums = telemetry.sum_to_rank0(partials)
@@ -182,10 +199,12 @@ class Trainer:
         if self.anchor:
             self.anchor.collect()
         t4 = time.perf_counter()
+        ledgers = comm.gather_to_rank0(traffic.take(dist.get_world_size()))
         if sums is None:   # the step's sums are rank 0's
             return {}, verdict
         compared = probe is not None and probe.grads is not None
         finished = telemetry.finish(sums, p.num_stages, probe is not None, compared)
+        finished.update(traffic.with_baseline(traffic.summarize(ledgers, self.hosts), finished, self.act_bytes))
         if verdict.skipped:   # as actor/grad_norm: no step, no norm
             finished["actor/grad_norm_clipped"] = float("nan")
         return {"step": t + 1, **finished,

@@ -61,6 +61,9 @@ def test_the_batch_goes_only_where_it_is_read_and_is_counted(anchored):
         T = (per_row - 192) / 40
         assert T == int(T) and T > 2, r["rollout/bytes"]
         assert r["rollout/bytes"] == 64 * (40 * T + 192) < 0.34 * 64 * 7 * (24 * T + 8)
+    for r in rows(anchored):   # the traffic ledger's count at the receivers, each kind's share of it
+        shapes = r["wire/rollout_bytes"] - r["rollout/bytes"]    # + the batch's shapes, pickled, to every rank
+        assert shapes % 7 == 0 and 0 < shapes < 7 * 1000
     for e in rows(anchored, "eval.jsonl"):
         assert len(e["scores"]) == e["n"] and set(e["scores"]) <= {"0", "1"}
         assert e["acc"] == e["scores"].count("1") / e["n"]

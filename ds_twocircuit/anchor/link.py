@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..pipeline import comm
+from ..pipeline import comm, traffic
 from ..sync.delta import encode_all
 from . import mailbox as mb
 from .forecast import fires_replaying, forecast_steps, replay_groups, weights_step
@@ -96,6 +96,7 @@ class AnchorLink:
     def step(self, t: int, theta: dict | None, rollout, kl_coef: float) -> tuple[Sign | None, dict]:
         """Ship for step t (rank 0) and adopt the sign rank 0 picks; → (the new sign or None, metrics)."""
         up = self._ship(t, theta, rollout, kl_coef) if self.rank0 else 0
+        traffic.handed_to_anchor("anchor_theta", up)
         fire, staged, waited = self._pick(t) if self.rank0 else (-1, None, 0.0)
         if self.rank0 and self.process is not None and self.process.gave_up and self.a.on_failure == "stop":
             fire = STOP
@@ -257,7 +258,10 @@ class AnchorLink:
 
     def _read_fire(self, f: int) -> tuple:
         """Fire f's checked files → (stage signs, bytes read, bases or None); MailboxError if one is bad."""
-        bases = mb.read_tensors(mb.sign_dir(self.root, f) / "bases.safetensors", f) if self.lowrank_cuts else None
+        path = mb.sign_dir(self.root, f) / "bases.safetensors"
+        bases = mb.read_tensors(path, f) if self.lowrank_cuts else None
+        if bases is not None:
+            traffic.received("anchor_signs", traffic.ANCHOR, path.stat().st_size)
         return (*self._read_stage_signs(f), bases)
 
     def _read_stage_signs(self, f: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -268,6 +272,7 @@ class AnchorLink:
             path = mb.sign_path(self.root, f, s)
             _, bits, numel, runs = mb.read_sign(path, s, shapes, newer_than=self.held)
             read += path.stat().st_size
+            traffic.received("anchor_signs", traffic.ANCHOR, path.stat().st_size)
             signs = signs_of(unpack_bits(bits, numel), runs)
             out.update(zip(shapes, signs.split([math.prod(shp) for shp in shapes.values()])))
         return out, read
@@ -288,8 +293,8 @@ class AnchorLink:
                 comm.send_bytes(zero_runs(theirs).numpy().tobytes(), r)
             mine = torch.cat([stage_signs[n] for n in names])
         else:
-            bits, _ = comm.recv_bytes(0)
-            runs, _ = comm.recv_bytes(0)
+            bits, _ = comm.recv_bytes(0, kind="signs")
+            runs, _ = comm.recv_bytes(0, kind="signs")
             runs = torch.frombuffer(bytearray(runs), dtype=torch.int64).view(-1, 2) if runs else torch.zeros(0, 2, dtype=torch.int64)
             mine = signs_of(unpack_bits(bits, numel), runs)
         flat = mine.to(comm.device()).split([params[n].numel() for n in names])
@@ -297,5 +302,5 @@ class AnchorLink:
         bases = None
         if self.lowrank_cuts:
             qs = [staged[2][f"cut{l}"] for l in self.lowrank_cuts] if self.rank0 else None
-            bases = dict(zip(self.lowrank_cuts, comm.broadcast_tensors(qs, len(self.lowrank_cuts))))
+            bases = dict(zip(self.lowrank_cuts, comm.broadcast_tensors(qs, len(self.lowrank_cuts), kind="signs")))
         return Sign(f, signs, bases), read

@@ -12,8 +12,8 @@ schedule goes through this module, on one of two paths.
 NCCL refuses CPU tensors and gloo's p2p refuses CUDA ones, so a tensor's path is its device: the
 control functions take and return CPU tensors, the device functions move what they are given to
 `device()` and return tensors there (`host=True`: back on the CPU, for consumers that read them
-there). Bytes sent on the device path outside the pipeline are the caller's to count (the
-rollout, the reference log-probs and the deltas are in the step's metrics).
+there). A caller that names a `kind` has the receivers put what they received in the traffic ledger
+(traffic.py): the rollout, the reference log-probs, the weight deltas, the signs.
 
 Test hook: `DS_TWOCIRCUIT_RECORD_COLLECTIVES=DIR` makes `init` wrap torch.distributed's collectives
 so that each process appends one JSON line per call to DIR/<pid>.jsonl: the op, the file that
@@ -30,10 +30,13 @@ import inspect
 import json
 import os
 import pathlib
+import pickle
 import sys
 
 import torch
 import torch.distributed as dist
+
+from . import traffic
 
 _CONTROL = None     # the gloo group of the control path (every rank), made by init
 _TIMEOUT = None     # train.collective_timeout, for the groups made later (subgroup)
@@ -67,10 +70,13 @@ def broadcast_scalar(value: float | int, dtype: torch.dtype, src: int = 0) -> fl
     return t.item()
 
 
-def broadcast_object(obj, src: int = 0):
-    """src's picklable object on every rank (a few hundred bytes: shapes, names)."""
+def broadcast_object(obj, src: int = 0, kind: str | None = None):
+    """src's picklable object on every rank (a few hundred bytes: shapes, names); `kind` as
+    broadcast_tensors' (the pickle's bytes and its 8-byte length, as broadcast_object_list sends them)."""
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=control_group())
+    if kind and dist.get_rank() != src:
+        traffic.received(kind, src, 8 + len(pickle.dumps(box[0])))
     return box[0]
 
 
@@ -103,13 +109,14 @@ def shapes_of(ts: list[torch.Tensor]) -> list[tuple[tuple, torch.dtype]]:
 
 
 def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host: bool = False, group=None,
-                      meta: list | None = None) -> list[torch.Tensor]:
+                      meta: list | None = None, kind: str | None = None) -> list[torch.Tensor]:
     """n tensors (any shapes and dtypes) from src to every rank of `group` (None: all); other ranks
     pass None. Shapes go on the control path to every rank of the world (or come as `meta`,
     shapes_of's list, when the caller sent them already), the tensors on the device path; → them on
-    `device()` (the CPU with `host`)."""
+    `device()` (the CPU with `host`). `kind`: the receivers put what they received in the traffic
+    ledger under it."""
     if meta is None:
-        meta = broadcast_object(shapes_of(ts) if dist.get_rank() == src else None, src)
+        meta = broadcast_object(shapes_of(ts) if dist.get_rank() == src else None, src, kind)
     dev = device()
     if dist.get_rank() == src:
         ts = [t.to(dev) for t in ts]
@@ -117,6 +124,8 @@ def broadcast_tensors(ts: list[torch.Tensor] | None, n: int, src: int = 0, host:
         ts = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in meta]
     for t in ts:   # group None: the default group (NCCL on GPUs), device tensors
         dist.broadcast(t, src=src, group=group)
+    if kind and dist.get_rank() != src:
+        traffic.received(kind, src, traffic.tensor_bytes(*ts))
     assert len(ts) == n
     return [t.cpu() for t in ts] if host else ts
 
@@ -126,10 +135,13 @@ def subgroup(ranks: list[int]):
     return dist.new_group(ranks, timeout=_TIMEOUT)
 
 
-def broadcast_(t: torch.Tensor, src: int = 0, host: bool = False) -> torch.Tensor:
-    """One tensor whose shape and dtype every rank knows, from src (others pass a buffer of that shape)."""
+def broadcast_(t: torch.Tensor, src: int = 0, host: bool = False, kind: str | None = None) -> torch.Tensor:
+    """One tensor whose shape and dtype every rank knows, from src (others pass a buffer of that shape);
+    `kind` as broadcast_tensors'."""
     t = t.to(device())
     dist.broadcast(t, src=src)          # the default group: NCCL on GPUs
+    if kind and dist.get_rank() != src:
+        traffic.received(kind, src, traffic.tensor_bytes(t))
     return t.cpu() if host else t
 
 
@@ -157,12 +169,15 @@ def send_bytes(blob: bytes, dst: int, extra: list[int] = ()) -> None:
         send_tensor(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst)
 
 
-def recv_bytes(src: int, n_extra: int = 0) -> tuple[bytes, list[int]]:
-    """send_bytes's byte string from rank src → (it, the extra ints)."""
+def recv_bytes(src: int, n_extra: int = 0, kind: str | None = None) -> tuple[bytes, list[int]]:
+    """send_bytes's byte string from rank src → (it, the extra ints); `kind`: into the traffic ledger
+    under it, the header included."""
     head = torch.empty(1 + n_extra, dtype=torch.int64)
     dist.recv(head, src=src, group=control_group())
     n = int(head[0])
     blob = recv_tensor((n,), torch.uint8, src).cpu().numpy().tobytes() if n else b""
+    if kind:
+        traffic.received(kind, src, traffic.tensor_bytes(head) + n)
     return blob, [int(x) for x in head[1:]]
 
 

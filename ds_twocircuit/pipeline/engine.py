@@ -113,6 +113,7 @@ def build_pipeline(model_dir: str, tc, ds_config: dict) -> Pipeline:
                                                                          if p.requires_grad], config=ds)
     recv_buffers.fit_dtypes(engine)
     wire.install(pipe.stage_id)
+    wire.count_tied_grads(engine)
     if pipe.stage_id == 0 and engine.grid.get_data_parallel_rank() == 0:
         weights, accum = engine.get_data_types()
         hint = " (zero_optimization.stage=1 accumulates them in float32)" if accum == torch.bfloat16 else ""

@@ -1,7 +1,8 @@
 """The one hook on DeepSpeed's pipeline p2p layer: every tensor a stage sends to or receives from
 another stage passes through it (the engine calls `p2p.send` and `p2p.recv` through the module, so
-wrapping the module functions sees all of them: payloads, gradients, side tensors, shape metadata,
-the loss's broadcast). It does two things, both at the transport:
+wrapping the module functions sees all of them: payloads, gradients, side tensors, shape metadata;
+the loss's broadcast and the tied gradients' all-reduce are collectives, not p2p). It does three
+things, all at the transport:
 
 counting   bytes this rank hands to `p2p.send`, by direction (to a later stage: forward, to an
            earlier one: backward), only inside a `counting()` block, so each pass's bytes are its own:
@@ -11,6 +12,9 @@ counting   bytes this rank hands to `p2p.send`, by direction (to a later stage: 
            The fp32 share is counted apart: a bf16 pipeline sends those tensors (dense activations,
            their gradients, a PRF payload) at half the size and everything else (b-bit codes,
            integer metadata) as it is, so `fwd - fwd_fp32 / 2` is what the same sends cost in bf16.
+
+the ledger every tensor received goes into traffic.py's ledger, under the kind of the pass
+           running (`traffic.boundary(kind)`), from the sending stage's global rank.
 
 strict     (`DS_TWOCIRCUIT_STRICT_WIRE=1`, set by the tests) each send is preceded by a 2-value
            header (dtype, element count) and each receive checks it against the buffer it receives
@@ -27,6 +31,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from . import traffic
 
 STRICT_ENV = "DS_TWOCIRCUIT_STRICT_WIRE"
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
@@ -99,10 +105,35 @@ def install(stage_id: int, strict: bool | None = None) -> None:
             if sent != (tensor.dtype, tensor.numel()):
                 raise WireMismatch(f"stage {tap.stage_id} receives from stage {src_stage} into a {tensor.dtype} "
                                    f"buffer of {tensor.numel()} elements what was sent as {sent[0]} × {sent[1]}")
+        traffic.received(traffic.boundary_kind(), p2p._grid.stage_to_global(stage_id=src_stage),
+                         traffic.tensor_bytes(tensor))
         return recv0(tensor, src_stage, async_op=async_op)
 
     send.__wrapped__, recv.__wrapped__ = send0, recv0
     p2p.send, p2p.recv = send, recv
+
+
+def count_tied_grads(engine) -> None:
+    """Put DeepSpeed's all-reduce of the tied weights' gradients between their stages (the embedding
+    and the head) in the ledger. The engine asks its module for the (weight, group) pairs right before
+    reducing each one's gradient (`_exec_reduce_tied_grads`: `_hp_grad`, fp32, under the bf16
+    optimizer, else `.grad`), so wrapping that call sees every reduction. A ring all-reduce of n bytes
+    over g ranks has each rank receive 2n(g − 1)/g, 2n/g from each other member (n from the other end
+    of a pair)."""
+    import torch.distributed as dist
+    module, me = engine.module, dist.get_rank()
+    pairs0 = module.get_tied_weights_and_groups
+
+    def pairs():
+        out = pairs0()
+        for weight, group in out:
+            grad = weight._hp_grad if engine.using_bf16_optimizer else weight.grad
+            ranks = dist.get_process_group_ranks(group)
+            for r in (r for r in ranks if r != me) if grad is not None else ():
+                traffic.received("tied_grads", r, 2 * traffic.tensor_bytes(grad) // len(ranks))
+        return out
+
+    module.get_tied_weights_and_groups = pairs
 
 
 @contextlib.contextmanager

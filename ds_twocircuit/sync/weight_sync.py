@@ -74,7 +74,7 @@ class WeightSync:
 
     def _receive(self, stage: int) -> tuple[dict[str, torch.Tensor], DeltaStats]:
         """Stage `stage`'s blob into the mirror; → (the tensors that changed, the wire's stats)."""
-        blob, (changed,) = comm.recv_bytes(self.grid.stage_to_global(stage_id=stage, data=0), 1)
+        blob, (changed,) = comm.recv_bytes(self.grid.stage_to_global(stage_id=stage, data=0), 1, kind="stream")
         names = self.names[stage]
         news = decode_all([self.mirror.get(n) for n in names], blob, [tuple(self.shapes[n][0]) for n in names],
                           self.dtype)
