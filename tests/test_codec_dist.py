@@ -171,7 +171,8 @@ def test_keep_all_prf_is_bitwise_dense(eight, tmp_path):
 LOGGED_KEYS = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
       "actor/pg_clipfrac_below", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/grad_norm_clipped", "actor/kl_coef",
       "timing/gen", "timing/train", "timing/sync", "rollout_corr/kl", "rollout_corr/k3_kl",
-      "rollout_corr/prob_diff_mean", "rollout_corr/pearson"] + \
+      "rollout_corr/prob_diff_mean", "rollout_corr/pearson", "wire/total_bytes", "wire/busiest_link_bytes",
+      "wire/baseline_bytes"] + \
      [f"weights/{m}/stage{s}" for m in ("rel_change", "cos_base") for s in range(8)]
 PROBE = ["probe/rollout_corr/kl", "probe/rollout_corr/k3_kl", "probe/rollout_corr/prob_diff_mean",
          "probe/rollout_corr/pearson", "probe/actor/kl_loss", "probe/actor/entropy", "grad/cos_comp_dense",
@@ -203,6 +204,13 @@ def test_prf_wire_ratio_and_same_masks_across_passes(eight, prf):
         assert set(LOGGED_KEYS) <= x.keys(), set(LOGGED_KEYS) - x.keys()
         assert (set(PROBE) <= x.keys()) == (x["step"] in (1, 3)) and (PROBE[0] in x) == (x["step"] in (1, 3))
     assert all("rollout_corr/kl_slope" in x for x in r[1:])
+    # the ledger files the dense step's p2p under its own kind; the dense fp32 pipeline's baseline is
+    # its boundaries and tied gradients at half (bf16), the stream and the rollout as they are
+    assert [x["wire/boundary_dense_bytes"] > 0 for x in r] == [False, False, True, False]
+    assert [x["wire/boundary_update_bytes"] > 0 for x in r] == [True, True, False, True]
+    for x in rows(eight):
+        half = x["wire/boundary_update_bytes"] + x["wire/boundary_reference_bytes"] + x["wire/tied_grads_bytes"]
+        assert x["wire/baseline_bytes"] == half / 2 + x["wire/stream_bytes"] + x["wire/rollout_bytes"]
     # the codec's gap is large from step 1; the dense pipeline's, the dense step's and the probe's are float noise
     assert all(abs(x["rollout_corr/kl"]) < 1e-5 for x in rows(eight))
     assert all(x["rollout_corr/kl"] > 1e-2 for x in (r[0], r[1], r[3])) and abs(r[2]["rollout_corr/kl"]) < 1e-5

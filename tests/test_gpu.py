@@ -74,7 +74,7 @@ def test_vllm_cuda_engine_loads_weights(tiny_model):
     from ds_twocircuit.sampler.vllm import VLLMSampler
     from test_vllm import test_logprobs_equal_hf_before_and_after_a_weight_update as check
     assert current_platform.is_cuda(), current_platform
-    engine = VLLMSampler(tiny_model, SamplerConfig(backend="vllm"), max_model_len=256, seed=0)
+    engine = VLLMSampler(tiny_model, SamplerConfig(backend="vllm", dtype="float32"), max_model_len=256, seed=0)
     try:
         check(engine, tiny_model)
     finally:

@@ -53,7 +53,7 @@ def test_sampler_logprobs_are_its_own(tiny_model):
 
 def test_sampler_seed_and_bf16(tiny_model):
     """`seed` makes a draw repeatable; a bf16 sampler holds bf16 weights, takes fp32 ones rounded
-    to bf16 in place, and samples with them."""
+    to bf16 in place, and samples with them, computing in fp32 on the CPU (values bf16 can take)."""
     s = HFSampler(tiny_model)
     a, b = (s.generate(["12+3*4="], 4, max_new_tokens=4, seed=7) for _ in range(2))
     assert torch.equal(a.ids_NT, b.ids_NT) and torch.equal(a.logp_NT1, b.logp_NT1)
@@ -61,7 +61,9 @@ def test_sampler_seed_and_bf16(tiny_model):
     assert {dt for _, dt in half.weight_shapes().values()} == {torch.bfloat16}
     named = list(s.model.named_parameters())
     assert half.load_weights(dict(named)) == sum(p.numel() * 2 for _, p in named)
-    assert all(torch.equal(q, p.to(torch.bfloat16)) for (_, p), q in zip(named, half.model.parameters()))
+    assert all(torch.equal(q, p.to(torch.bfloat16).float()) for (_, p), q in zip(named, half.model.parameters()))
+    assert {p.dtype for p in half.model.parameters()} == {torch.float32}
+    assert all(torch.equal(h, p.to(torch.bfloat16)) for (_, p), h in zip(named, half.held_weights().values()))
     g = half.generate(["12+3*4="], 4, max_new_tokens=4, seed=7)
     assert (g.logp_NT1[g.resp_NT1.bool()] <= 0).all() and g.resp_NT1.sum() > 0
 

@@ -119,8 +119,8 @@ def seq_logprobs(model, gen):
 def test_the_shipped_1p5b_recipe_on_the_fixtures_with_vllm(fixtures, tmp_path):
     """`ds_configs/prf95_qwen1p5b.json` as shipped (bf16 training and sampler, PRF 5 %, the anchor in
     sync mode, clip 1.0, lr 1e-6) but for the fixtures' paths and CPU sizes: two steps with vLLM
-    sampling. The probe reports the trainer-sampler gap (bf16 kernels on both sides, not the same
-    ones). Step 1 has rewards and a policy gradient, so its update moves weights; at lr 1e-6 most
+    sampling. The probe reports the trainer-sampler gap (bf16 weights on both sides; the trainer
+    computes in bf16, vLLM on the CPU in fp32 from them). Step 1 has rewards and a policy gradient, so its update moves weights; at lr 1e-6 most
     bf16 values stay put, and each step's delta sync sends the few that changed: `sync/changed_frac`
     above 0 and the bytes above the floor of a sync that changes nothing (a byte per tensor), below
     whole tensors. What the delta sync handed vLLM last is the trainer's weights bit for bit, and

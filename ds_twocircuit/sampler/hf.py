@@ -19,16 +19,27 @@ from .reference import response_logprobs
 
 
 class HFSampler:
-    """The `Sampler` protocol on an HF model in this process (fp32, or `dtype`) on `device` (the rank's
-    accelerator; the CPU by default): draws from softmax(logits/τ) alone, greedy by argmax, stops on
-    every EOS id of the model. What it returns lives on the host, beside the rollout."""
+    """The `Sampler` protocol on an HF model in this process on `device` (the rank's accelerator; the
+    CPU by default): draws from softmax(logits/τ) alone, greedy by argmax, stops on every EOS id of
+    the model. What it returns lives on the host, beside the rollout.
+
+    It holds weights of `dtype` (what the weight stream sends) and computes in that dtype on an
+    accelerator; on the CPU it computes in fp32 from them (bf16 values upcast exactly), since bf16
+    matmuls there run about 10x slower on AVX2. A GPU's bf16 kernels add a sampler-trainer gap that
+    the CPU's fp32 compute does not show."""
 
     def __init__(self, model_dir: str, attn_implementation: str = "sdpa", dtype: str = "float32", device=None):
         self.device = torch.device(device or "cpu")
+        self.held = getattr(torch, dtype)
+        compute = torch.float32 if self.device.type == "cpu" else self.held
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), attn_implementation=attn_implementation).eval().to(self.device)
+            model_dir, dtype=compute, attn_implementation=attn_implementation).eval().to(self.device)
+        if compute != self.held:
+            with torch.no_grad():   # the values the held dtype can take
+                for p in self.model.parameters():
+                    p.copy_(p.to(self.held))
         self.eos_id = self.tokenizer.eos_token_id
         self.eos_ids = eos_ids(model_dir, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
@@ -37,22 +48,23 @@ class HFSampler:
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], changed: set[str] | None = None) -> int:
-        """Copies the changed tensors into the model's own; → their bytes."""
+        """Copies the changed tensors, rounded to the held dtype, into the model's own; → their bytes
+        in the held dtype."""
         params, nbytes = dict(self.model.named_parameters()), 0
         for name, t in weights.items():
             if changed is None or name in changed:
-                params[name].copy_(t)                  # copy_ crosses devices
-                nbytes += params[name].numel() * params[name].element_size()
+                params[name].copy_(t.to(self.held))    # copy_ crosses devices and upcasts exactly
+                nbytes += params[name].numel() * self.held.itemsize
         return nbytes
 
     def close(self) -> None:
         pass
 
     def weight_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        return {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+        return {n: (p.shape, self.held) for n, p in self.model.named_parameters()}
 
     def held_weights(self) -> Mapping[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
+        return {n: p.to(self.held) for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, *, greedy: bool = False, max_new_tokens: int = 16,

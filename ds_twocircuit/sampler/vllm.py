@@ -9,7 +9,8 @@ vLLM's distributed init inside a DeepSpeed job), kept for the whole run:
                   distribution actually sampled, softmax(logits / τ) (what π_old must be),
                   returned flat (`flat_logprobs`: one list of floats per sample, not a dict of
                   Logprob objects per token) and read as one slice per row
-    load_weights  the trainer's dense weights, cast to the engine's dtype, as one safetensors blob
+    load_weights  the trainer's dense weights, rounded to `sampler.dtype` and cast to the engine's
+                  dtype (that one on GPUs; fp32 on the CPU, as the HF backend), as one safetensors blob
                   through `collective_rpc` to a worker extension (WorkerWeightLoader), which loads them in
                   place; then the prefix cache is reset (stale cached prefixes of prompts longer
                   than one KV block gave log-prob errors of 6.4 nats). A tied model is sent
@@ -73,10 +74,12 @@ class VLLMSampler:
         self.shapes = {n: (p.shape, self.dtype) for n, p in meta.named_parameters()}
         self.seed = seed
         cpu = self.cpu = current_platform.is_cpu()
+        # on the CPU the engine computes in fp32 from the held dtype's values, as the HF backend does
+        self.engine_dtype = torch.float32 if cpu else self.dtype
         kwargs = {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2 ** 30)} if cpu else \
             {"gpu_memory_utilization": cfg.gpu_memory_utilization}   # GPU-only
         max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
-        self.llm = LLM(model=model_dir, dtype=cfg.dtype, seed=seed, max_model_len=max_model_len,
+        self.llm = LLM(model=model_dir, dtype=str(self.engine_dtype).removeprefix("torch."), seed=seed, max_model_len=max_model_len,
                        enforce_eager=cpu or cfg.enforce_eager, logprobs_mode="processed_logprobs",
                        worker_extension_cls=f"{__name__}.WorkerWeightLoader", **kwargs)
 
@@ -91,7 +94,7 @@ class VLLMSampler:
         """All of `weights` when any changed, nothing otherwise; → the bytes handed to the engine."""
         if changed is not None and not changed:
             return 0
-        tensors = {n: t.detach().to(self.dtype).contiguous() for n, t in weights.items()}
+        tensors = {n: t.detach().to(self.dtype).to(self.engine_dtype).contiguous() for n, t in weights.items()}
         if self.tied and "lm_head.weight" not in tensors:
             # a copy: safetensors refuses tensors that share memory
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()

@@ -17,6 +17,8 @@ None of this goes through DeepSpeed's p2p layer, so none of it counts as boundar
 Test hook: `DS_TWOCIRCUIT_DUMP_SAMPLER=DIR` makes rank 0 write, at the end of the run, the mirror
 (`mirror.safetensors`) and the weights the sampler itself reports holding (`held.safetensors`; the
 HF backend's own parameters, none for vLLM, whose CPU kernels repack linear weights).
+Benchmark hook: `DS_TWOCIRCUIT_DUMP_STREAM=DIR` makes rank 0 write the mirror after every sync
+(`sync{n}.safetensors`, n = 0 the start) for launch/bench_stream.py.
 """
 import os
 import pathlib
@@ -58,6 +60,7 @@ class WeightSync:
             changed.update(got)
             wire += stats
         total = sum(t.numel() for t in self.mirror.values())
+        dump_stream(self.mirror)
         return set(changed), {"sync/bytes": float(wire.nbytes), "sync/dense_bytes": float(wire.dense_bytes),
                          "sync/changed_frac": (wire.changed + own_changed) / max(total, 1)}
 
@@ -84,6 +87,17 @@ class WeightSync:
                 self.mirror[n] = out[n] = t
         numel = sum(t.numel() for t in news)
         return out, DeltaStats(changed, numel, 16 + len(blob), numel * self.elt)
+
+
+def dump_stream(mirror: dict[str, torch.Tensor]) -> None:
+    """The benchmark hook of the module docstring (rank 0, after each sync)."""
+    out = os.environ.get("DS_TWOCIRCUIT_DUMP_STREAM")
+    if not out:
+        return
+    d = pathlib.Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    n = len(list(d.glob("sync*.safetensors")))
+    save_file({k: t.contiguous() for k, t in mirror.items()}, str(d / f"sync{n}.safetensors"))
 
 
 def dump_for_tests(mirror: dict[str, torch.Tensor], sampler) -> None:
