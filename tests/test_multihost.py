@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import ANCHORED, ROOT, VOLATILE, can_make_namespaces, rows, weights
 
+from ds_twocircuit.pipeline.traffic import KINDS
+
 pytestmark = pytest.mark.dist
 
 def namespaces() -> set[str]:
@@ -68,9 +70,7 @@ def assert_wire_follows_the_hosts(a: dict, b: dict) -> None:
     assert 0 < b["wire/rollout_bytes"] < a["wire/rollout_bytes"]
     assert (a["wire/signs_bytes"] > 0) == (b["wire/signs_bytes"] > 0)
     for r in (a, b):
-        kinds = [v for k, v in r.items() if k.startswith("wire/") and k.endswith("_bytes")
-                 and k not in ("wire/total_bytes", "wire/busiest_link_bytes", "wire/baseline_bytes")]
-        assert r["wire/total_bytes"] == sum(kinds) >= r["wire/busiest_link_bytes"] > 0
+        assert r["wire/total_bytes"] == sum(r[f"wire/{k}_bytes"] for k in KINDS) >= r["wire/busiest_link_bytes"] > 0
 
 
 def test_a_failing_host_ends_the_run_and_cleans_up(tiny_model, tmp_path):

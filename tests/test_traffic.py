@@ -46,4 +46,5 @@ def test_the_baseline_is_dense_bf16_boundaries_and_the_same_stream():
     codec = {"codec/bytes_fwd": 70.0, "codec/bytes_bwd": 30.0, "codec/dense_equiv_bytes": 700.0,
              "codec/dense_equiv_bytes_bwd": 300.0}
     assert traffic.with_baseline(wire, codec, 4)["wire/baseline_bytes"] == pytest.approx(500 + 4 + 430)
+    assert traffic.with_baseline(wire, codec, 4)["wire/baseline_boundary_bytes"] == pytest.approx(500)
     assert traffic.with_baseline(wire, codec, 2)["wire/baseline_bytes"] == pytest.approx(1000 + 8 + 430)

@@ -117,7 +117,8 @@ def summarize(ledgers: list[torch.Tensor], hosts: list[str]) -> dict[str, float]
 
 
 def with_baseline(wire: dict[str, float], codec: dict[str, float], act_bytes: int) -> dict[str, float]:
-    """`wire` with `wire/baseline_bytes`: what a dense bf16 pipeline would move with the same weight
+    """`wire` with `wire/baseline_bytes`, `wire/baseline_boundary_bytes` (its boundary term, against
+    which the boundary bytes alone compare): what a dense bf16 pipeline would move with the same weight
     stream, rollout and reference: the step's cross-host boundary bytes (update, reference and dense
     passes; no probe, no anchor) at the dense size of what they carried, in bf16, plus the same
     stream, rollout, reference and tied gradients (those in bf16 too). The dense size is the
@@ -129,5 +130,6 @@ def with_baseline(wire: dict[str, float], codec: dict[str, float], act_bytes: in
     half = 2 / act_bytes
     boundary = sum(wire[f"wire/{k}_bytes"] for k in ("boundary_update", "boundary_reference", "boundary_dense"))
     same = sum(wire[f"wire/{k}_bytes"] for k in ("stream", "rollout", "reference"))
-    return {**wire, "wire/baseline_bytes": boundary * (dense / sent if sent else 1.0) * half
-            + wire["wire/tied_grads_bytes"] * half + same}
+    dense_bf16 = boundary * (dense / sent if sent else 1.0) * half
+    return {**wire, "wire/baseline_boundary_bytes": dense_bf16,
+            "wire/baseline_bytes": dense_bf16 + wire["wire/tied_grads_bytes"] * half + same}
