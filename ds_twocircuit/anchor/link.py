@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -70,6 +71,7 @@ class AnchorLink:
         self.root = pathlib.Path(self.a.mailbox or run_dir / "anchor")
         self.rank0 = dist.get_rank() == 0
         self.held = -1                      # the fire whose sign every rank holds
+        self.held_bits = None               # rank 0: sign(M) > 0 of the held fire, every parameter, packed
         self.pin = resume          # (held fire, step) of the newest checkpoint; None before one
         grid = pipeline.engine.grid
         self.stage_of_rank = {grid.stage_to_global(stage_id=s, data=d): s
@@ -104,11 +106,11 @@ class AnchorLink:
         if choice == STOP:      # every rank ends here, at the same step
             raise AnchorGaveUp(f"the managed anchor exited after {self.a.max_restarts} restart(s) (anchor.max_restarts); "
                                "anchor.on_failure=stop ends the run (continue: train on with the held sign)")
-        new, down = None, 0
+        new, down, flips = None, 0, None
         if choice > self.held:
-            new, down = self._distribute(choice, staged)
+            new, down, flips = self._distribute(choice, staged)
             self.held = new.fire
-        out = {"anchor/bytes_up": float(up), "anchor/bytes_down": float(down), "anchor/bytes": float(up + down),
+        out = {**({"anchor/sign_flip_frac": flips} if flips is not None else {}),"anchor/bytes_up": float(up), "anchor/bytes_down": float(down), "anchor/bytes": float(up + down),
                "anchor/wait": waited, "anchor/restarts": float(self.process.restarts if self.process else 0),
                "anchor/alive": 0.0 if self.process is not None and self.process.gave_up else 1.0}
         if self.held >= 0:
@@ -128,7 +130,7 @@ class AnchorLink:
         choice = comm.broadcast_scalar(fire if staged is not None else -1, torch.int64)
         if choice < 0:
             return None
-        new, _ = self._distribute(choice, staged)
+        new, _, _ = self._distribute(choice, staged)
         self.held = new.fire
         return new
 
@@ -278,13 +280,15 @@ class AnchorLink:
         return out, read
 
     # ---- every rank -------------------------------------------------------------------------
-    def _distribute(self, f: int, staged: tuple | None) -> tuple[Sign, int]:
+    def _distribute(self, f: int, staged: tuple | None) -> tuple[Sign, int, float | None]:
         """Every rank ends with its stage's signs of fire f on its device (and the bases); → (Sign,
-        bytes rank 0 read). On the wire: 1 bit a parameter, and the runs of M = 0 where it has any."""
+        bytes rank 0 read, on rank 0 the share of parameters whose sign bit differs from the fire held
+        before, None for the first). On the wire: 1 bit a parameter, and the runs of M = 0 where it
+        has any."""
         names = self.pipe.sign_names(self.pipe.stage_id)
         params = self.pipe.hf_parameters_all()
         numel = sum(params[n].numel() for n in names)
-        read = 0
+        read, flips = 0, None
         if self.rank0:
             stage_signs, read, _ = staged
             for r in range(1, dist.get_world_size()):
@@ -292,6 +296,7 @@ class AnchorLink:
                 comm.send_bytes(pack_bits(theirs > 0), r)
                 comm.send_bytes(zero_runs(theirs).numpy().tobytes(), r)
             mine = torch.cat([stage_signs[n] for n in names])
+            flips = self._flips(stage_signs)
         else:
             bits, _ = comm.recv_bytes(0, kind="signs")
             runs, _ = comm.recv_bytes(0, kind="signs")
@@ -303,4 +308,12 @@ class AnchorLink:
         if self.lowrank_cuts:
             qs = [staged[2][f"cut{l}"] for l in self.lowrank_cuts] if self.rank0 else None
             bases = dict(zip(self.lowrank_cuts, comm.broadcast_tensors(qs, len(self.lowrank_cuts), kind="signs")))
-        return Sign(f, signs, bases), read
+        return Sign(f, signs, bases), read, flips
+
+    def _flips(self, stage_signs: dict[str, torch.Tensor]) -> float | None:
+        """Rank 0: the share of sign bits that differ from the held fire's (how compressible a code
+        against the last signs would be); keeps these bits as the held ones."""
+        flat = torch.cat([stage_signs[n].reshape(-1) for names in self.pipe.hf_names_per_stage() for n in names])
+        bits = np.packbits((flat > 0).cpu().numpy(), bitorder="little")
+        before, self.held_bits = self.held_bits, bits
+        return None if before is None else float(np.unpackbits(bits ^ before).sum()) / flat.numel()
