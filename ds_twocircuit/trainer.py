@@ -26,8 +26,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import pathlib
 import os
+import pathlib
 import time
 
 import torch
