@@ -237,7 +237,8 @@ def anchored(tiny_model, tmp_path_factory):
 
 
 def _shape_msg(k: str) -> bool:
-    return k.startswith("codec/") and k.endswith(("bytes_fwd", "bytes_fwd_bf16")) or k == "codec/dense_equiv_bytes"
+    return (k.startswith("codec/") and k.endswith(("bytes_fwd", "bytes_fwd_bf16")) or k == "codec/dense_equiv_bytes"
+            or k.startswith("wire/"))
 
 
 # keys that read the machine (wall clock, memory), not the run's numbers: identity checks skip them
@@ -248,13 +249,18 @@ def assert_resumed_rows(full: list[dict], resumed: list[dict], restarts: set[int
     """A resumed run's rows equal the uninterrupted run's, bit for bit, but for wall-clock keys and,
     at each step a restarted engine ran first (`restarts`), DeepSpeed's shape message: its first
     send carries one (1 KB per cut), which the uninterrupted run sends again only when its padded
-    length changes."""
+    length changes: the senders' counts (codec/*) and the receivers' (wire/*, the boundaries and the
+    total; what derives from them, baseline and busiest link, is left unchecked there)."""
     assert [r["step"] for r in resumed] == [r["step"] for r in full]
     for ra, rb in zip(full, resumed):
         a, b = ({k: v for k, v in r.items() if not k.startswith(volatile)} for r in (ra, rb))
         if ra["step"] in restarts:
             extra = {k: b[k] - a[k] for k in a if _shape_msg(k)}
-            assert all(v in (0, 1024 * (7 if "boundary" not in k else 1)) for k, v in extra.items()), extra
+            sent = {k: v for k, v in extra.items() if k.startswith("codec/")}
+            assert all(v in (0, 1024 * (7 if "boundary" not in k else 1)) for k, v in sent.items()), sent
+            got = {k: v for k, v in extra.items() if k.startswith("wire/boundary_") or k == "wire/total_bytes"}
+            assert all(v in (0, 7 * 1024) for v in got.values()) and got["wire/total_bytes"] == 7 * 1024 * any(
+                sent.values()), got
             a, b = ({k: v for k, v in x.items() if not _shape_msg(k)} for x in (a, b))
         assert a == b, (ra["step"], {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)})
 
