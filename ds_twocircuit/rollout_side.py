@@ -190,7 +190,7 @@ class RolloutSide:
         floats are broadcast. None otherwise."""
         if not self.tc.rollout.staleness or not needed:
             return None
-        return to_every_rank(self._rescored(t) if self.sampler is not None else None, r.resp_NT1)
+        return to_every_rank(self._rescored(t) if self.sampler is not None else None, r.resp_NT1, "boundary_probe")
 
     def sync(self, weight_sync: WeightSync, ships: bool, step: int) -> tuple[dict | None, dict]:
         """The stages' weights, θ_step, to the sampler as deltas in its dtype (sync/weight_sync.py),
@@ -240,12 +240,13 @@ class all_threads:
         torch.set_num_threads(self.n)
 
 
-def to_every_rank(values_NT1: torch.Tensor | None, resp_NT1: torch.Tensor) -> torch.Tensor:
+def to_every_rank(values_NT1: torch.Tensor | None, resp_NT1: torch.Tensor, kind: str = "reference") -> torch.Tensor:
     """Rank 0's per-token values of a batch, (N, T−1), on every rank's host, 0 off the response (the
-    other ranks pass None): only the response tokens' floats cross, received on the device path."""
+    other ranks pass None): only the response tokens' floats cross, received on the device path and
+    counted as `kind` (pipeline/traffic.py)."""
     flat = pack(values_NT1, resp_NT1) if values_NT1 is not None else \
         torch.empty(int((resp_NT1 > 0).sum()), device=comm.device())
-    return unpack(comm.broadcast_(flat, host=True, kind="reference"), resp_NT1)
+    return unpack(comm.broadcast_(flat, host=True, kind=kind), resp_NT1)
 
 
 TOKENS = ("ids_NT", "sampler_logp_NT1")   # read by the first stage (ids) and the last (targets, the sampler's log-probs)

@@ -47,9 +47,11 @@ def run(name: str, start: str, steps: int, out: pathlib.Path, port: int) -> path
     try:
         print(f"[bench_wire] {name}: {' '.join(cmd[4:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    finally:
         if anchor is not None:
-            anchor.wait(timeout=120)
+            anchor.wait(timeout=120)          # the trainer's STOP ends it
+    finally:
+        if anchor is not None and anchor.poll() is None:
+            anchor.kill()
     return run_dir
 
 

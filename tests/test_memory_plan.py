@@ -133,3 +133,14 @@ def test_the_trainer_refuses_a_crowded_gpu_before_any_process_group(qwen_dir, tm
     lines = [l for l in p.stderr.splitlines() if "anchor.device" in l]
     assert len(lines) == 1 and lines[0].startswith("config error: anchor.device=-1: GPU 0 would hold"), p.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_json_without_a_key_the_plan_reads():
+    """Multi-head attention without `num_key_value_heads`: as many key/value heads as heads; a
+    multimodal config's text model under `text_config`; any other key missing is one ConfigError."""
+    mha = {k: v for k, v in QWEN_1P5B.items() if k != "num_key_value_heads"}
+    assert Shape.from_hf(mha).num_key_value_heads == 12
+    assert Shape.from_hf({"text_config": QWEN_1P5B, "tie_word_embeddings": False}) == Shape.from_hf(
+        {**QWEN_1P5B, "tie_word_embeddings": True})   # the text model's own key wins
+    with pytest.raises(ConfigError, match="lacks intermediate_size"):
+        Shape.from_hf({k: v for k, v in QWEN_1P5B.items() if k != "intermediate_size"})

@@ -312,8 +312,11 @@ class AnchorLink:
 
     def _flips(self, stage_signs: dict[str, torch.Tensor]) -> float | None:
         """Rank 0: the share of sign bits that differ from the held fire's (how compressible a code
-        against the last signs would be); keeps these bits as the held ones."""
-        flat = torch.cat([stage_signs[n].reshape(-1) for names in self.pipe.hf_names_per_stage() for n in names])
-        bits = np.packbits((flat > 0).cpu().numpy(), bitorder="little")
+        against the last signs would be); keeps these bits, packed a stage at a time, as the held ones."""
+        bits = [np.packbits((torch.cat([stage_signs[n].reshape(-1) for n in names]) > 0).cpu().numpy(),
+                            bitorder="little") for names in self.pipe.hf_names_per_stage()]
         before, self.held_bits = self.held_bits, bits
-        return None if before is None else float(np.unpackbits(bits ^ before).sum()) / flat.numel()
+        if before is None:
+            return None
+        numel = sum(stage_signs[n].numel() for names in self.pipe.hf_names_per_stage() for n in names)
+        return float(sum(int(np.bitwise_count(b ^ a).sum()) for b, a in zip(bits, before))) / numel

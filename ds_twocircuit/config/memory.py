@@ -10,14 +10,15 @@ f MLP width, L layers, V vocabulary, h heads over kv key/value heads, a = 2 byte
 m = gradient_accumulation_steps micro-batches a step, N = prompts_per_step × group_size samples,
 T = max_prompt_len + R positions, R = max_new_tokens. GiB = 2^30 bytes.
 
-  stage s of S (n layers)   training state   bf16/fp16: (2 + 2 + 4 + 12/dp)·p  (weights and gradients
+  stage s of S (n layers)   training state   bf16/fp16: (2 + 2 + 4 + 12/z)·p  (weights and gradients
                                              in bf16, fp32 gradient accumulation; the fp32 master copy and
-                                             Adam's two moments split over the dp replicas by ZeRO-1,
-                                             whole without it); fp32: (4 + 4 + 8/dp)·p
-                            activations      with checkpointing: min(S − s, m)·n·t·d·a (1F1B keeps S − s
-                                             micro-batches in flight on stage s; one layer input each)
-                                             plus one layer's forward and backward, t·c·a;
-                                             without: min(S − s, m)·n·t·c·a
+                                             Adam's two moments split over z = dp replicas by ZeRO-1 or
+                                             DeepSpeed's bf16 optimizer, z = 1 otherwise); fp32:
+                                             (4 + 4 + 8/z)·p
+                            activations      checkpointing every k layers: min(S − s, m)·⌈n/k⌉·t·d·a
+                                             (1F1B keeps S − s micro-batches in flight on stage s; one
+                                             segment input each) plus one segment's forward and
+                                             backward, k·t·c·a; without: min(S − s, m)·n·t·c·a
   the last stage, besides   chunked head     V·d·4 + 6.5·C (the head gradient's fp32 sum; a chunk's
                                              fp32 logits and its transients, grpo/logprobs.py; C = a
                                              chunk's logits, min(CHUNK, t·V·4))
@@ -39,6 +40,7 @@ Not counted, and what the 10 % left free is for: CUDA's context and the allocato
 """
 from dataclasses import dataclass
 
+from .deepspeed_keys import checkpoint_interval
 from .schema import ConfigError, TwoCircuitConfig
 
 GiB = 2 ** 30
@@ -60,7 +62,13 @@ class Shape:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Shape":
-        cfg = cfg.get("text_config", cfg)
+        """From a config.json's keys (a multimodal one's `text_config` over its top level); key/value
+        heads default to the heads (multi-head attention); another key missing is a ConfigError."""
+        cfg = {**cfg, **cfg.get("text_config", {})}
+        cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
+        missing = [k for k in cls.__dataclass_fields__ if k != "tie_word_embeddings" and cfg.get(k) is None]
+        if missing:
+            raise ConfigError(f"model.path: its config.json lacks {', '.join(missing)}, which the memory plan reads")
         return cls(**{k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg})
 
     def layer_params(self) -> int:
@@ -113,13 +121,15 @@ def stage_process(tc: TwoCircuitConfig, ds: dict, shape: Shape, s: int, dp: int,
     half = any(ds.get(k, {}).get("enabled") for k in ("bf16", "fp16"))
     a = 2 if half else 4
     p = stage_params(shape, split)[s]
-    state = (8 + 12 / dp if half else 8 + 8 / dp) * p
+    z = dp if ds.get("zero_optimization", {}).get("stage", 0) >= 1 or ds.get("bf16", {}).get("enabled") else 1
+    state = (8 + 12 / z if half else 8 + 8 / z) * p
     t = ds["train_micro_batch_size_per_gpu"] * (tc.data.max_prompt_len + tc.grpo.max_new_tokens)
     in_flight = min(S - s, ds.get("gradient_accumulation_steps") or S - s)
     layer = t * (layer_bytes_per_token or shape.layer_values_per_token() * a)
-    if ds.get("pipeline", {}).get("activation_checkpoint_interval", 0):
-        acts = {"checkpointed inputs": in_flight * split[s] * t * shape.hidden_size * a / GiB,
-                "one layer recomputed": layer / GiB}
+    k = checkpoint_interval(ds)
+    if k:
+        acts = {"checkpointed inputs": in_flight * -(-split[s] // k) * t * shape.hidden_size * a / GiB,
+                "recomputed segment": min(k, split[s]) * layer / GiB}
     else:
         acts = {"activations": in_flight * split[s] * layer / GiB}
     parts = {"training state": state / GiB, **acts}
@@ -156,7 +166,7 @@ def anchor_process(tc: TwoCircuitConfig, ds: dict, shape: Shape, layer_bytes_per
     return Process("the anchor", f"anchor.device={tc.anchor.device}", {
         "training state": 20 * shape.params() / GiB,
         "checkpointed inputs": shape.num_hidden_layers * t * shape.hidden_size * 4 / GiB,
-        "one layer recomputed": layer / GiB, "head": 2 * (head_gib(shape, t) if head is None else head)})
+        "recomputed segment": layer / GiB, "head": 2 * (head_gib(shape, t) if head is None else head)})
 
 
 def placement_plan(tc: TwoCircuitConfig, ds: dict, shape: Shape, world_size: int, local_size: int,
@@ -212,5 +222,5 @@ def check_placement(run, gpu_gib: float, env: dict) -> None:
     from .checks import model_config
     visible = [int(x) for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip().isdigit()] or None
     plan = placement_plan(run.tc, run.ds, Shape.from_hf(model_config(run.tc.model)), run.world_size,
-                          int(env.get("LOCAL_SIZE", run.world_size)), gpu_gib, visible)
+                          int(env.get("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", run.world_size))), gpu_gib, visible)
     refuse_crowded(plan, gpu_gib)

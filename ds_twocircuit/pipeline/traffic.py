@@ -6,12 +6,13 @@ rank 0 also counts what it hands the anchor. The transports and their kinds:
 
     boundary_update     pipeline p2p (pipeline/wire.py) in a step's training passes: activations,
                         gradients, their side tensors and shape metadata, as DeepSpeed sends them
-    boundary_dense      the same on a dense step (every pass with the codec off)
+    boundary_dense      the same on a dense step (its training passes, with the codec off)
     boundary_reference  p2p of the pipeline's reference pass (grpo.ref_logprobs = pipeline)
-    boundary_probe      p2p of the codec-off probe (its forward, and its backward with per-parameter
-                        gradients)
+    boundary_probe      what the codec-off probe moves: its p2p (forward, and backward with
+                        per-parameter gradients), its tied gradients' all-reduce, and the sampler's
+                        rescored log-probs it compares (with the sampler ahead)
     tied_grads          DeepSpeed's all-reduce of the tied embedding's gradient between the first
-                        and the last stage (model/pipe.py)
+                        and the last stage (model/pipe.py), in the training passes
     stream              the weight stream: each stage's deltas to rank 0 (sync/weight_sync.py)
     rollout             the step's batch from rank 0 (rollout_side.py), its shapes included
     reference           the sampler's reference log-probs from rank 0 (grpo.ref_logprobs = sampler)
@@ -24,9 +25,13 @@ own (what the product is for: stages on slow links); on a multi-node launch the 
 each rank (CROSS_RANK). The sampler lives in rank 0's process; the anchor on rank 0's host unless
 `anchor.external`. A byte between endpoints of one host is counted by the ledger but not on the wire.
 
-Each step, `gather()` brings every rank's ledger to rank 0 and `summarize` turns it into
+Each step every rank's `take` goes to rank 0 (comm.gather_to_rank0) and `summarize` turns them into
 `wire/<kind>_bytes`, `wire/total_bytes` and `wire/busiest_link_bytes` (the most bytes one directed
-host pair carried); `with_baseline` adds `wire/baseline_bytes`, a dense bf16 pipeline's. Control-path metadata (flags, scalars, metric partials, send_bytes' length
+host pair carried); `with_baseline` adds `wire/baseline_bytes`, a dense bf16 pipeline's.
+
+Not counted yet: DeepSpeed's data-parallel gradient reduction and ZeRO's all-gathers (which cross
+hosts only where a stage's replicas sit on different nodes), and a broadcast is counted once per
+receiving rank, as if rank 0 sent each its own copy (NCCL's tree crosses a node boundary about once). Control-path metadata (flags, scalars, metric partials, send_bytes' length
 headers excepted) is not counted: tens of bytes a step.
 """
 import contextlib
@@ -104,9 +109,8 @@ def summarize(ledgers: list[torch.Tensor], hosts: list[str]) -> dict[str, float]
     per_kind = {k: 0 for k in KINDS}
     links: dict[tuple[str, str], int] = {}
     for dst, ledger in enumerate(ledgers):
-        for k, kind in enumerate(KINDS):
-            for col in range(world + 2):
-                n = int(ledger[k, col])
+        for kind, row in zip(KINDS, ledger.tolist()):
+            for col, n in enumerate(row):
                 src, to = (dst, world) if col == world + 1 else (col, dst)
                 if n and hosts[src] != hosts[to]:
                     per_kind[kind] += n
@@ -121,7 +125,8 @@ def with_baseline(wire: dict[str, float], codec: dict[str, float], act_bytes: in
     which the boundary bytes alone compare): what a dense bf16 pipeline would move with the same weight
     stream, rollout and reference: the step's cross-host boundary bytes (update, reference and dense
     passes; no probe, no anchor) at the dense size of what they carried, in bf16, plus the same
-    stream, rollout, reference and tied gradients (those in bf16 too). The dense size is the
+    stream, rollout and reference, and the tied gradients halved where the pipeline's activations are
+    fp32 (under the bf16 optimizer they are reduced in fp32 and counted as they crossed). The dense size is the
     pipeline's own count (`codec/dense_equiv_bytes*` over `codec/bytes_*`, whole pipeline); fp32
     tensors cost half in bf16 (`act_bytes`: 4 for an fp32 pipeline, 2 for a bf16 one), metadata
     scaled alike (a few hundred bytes a pass)."""

@@ -118,19 +118,20 @@ def count_tied_grads(engine) -> None:
     and the head) in the ledger. The engine asks its module for the (weight, group) pairs right before
     reducing each one's gradient (`_exec_reduce_tied_grads`: `_hp_grad`, fp32, under the bf16
     optimizer, else `.grad`), so wrapping that call sees every reduction. A ring all-reduce of n bytes
-    over g ranks has each rank receive 2n(g − 1)/g, 2n/g from each other member (n from the other end
-    of a pair)."""
+    over g ranks has each rank receive 2n(g − 1)/g, attributed evenly to the other members (n from
+    the other end of a pair, the tied weights' case). Inside the probe it is the probe's."""
     import torch.distributed as dist
     module, me = engine.module, dist.get_rank()
     pairs0 = module.get_tied_weights_and_groups
 
     def pairs():
         out = pairs0()
+        kind = "boundary_probe" if traffic.boundary_kind() == "boundary_probe" else "tied_grads"
         for weight, group in out:
             grad = weight._hp_grad if engine.using_bf16_optimizer else weight.grad
             ranks = dist.get_process_group_ranks(group)
             for r in (r for r in ranks if r != me) if grad is not None else ():
-                traffic.received("tied_grads", r, 2 * traffic.tensor_bytes(grad) // len(ranks))
+                traffic.received(kind, r, 2 * traffic.tensor_bytes(grad) // len(ranks))
         return out
 
     module.get_tied_weights_and_groups = pairs
