@@ -89,7 +89,7 @@ class Trainer:
     def _hosts(self, grid) -> list[str] | None:
         """Rank 0: each endpoint's host (traffic.host_map), nodes from the launcher where it started
         several (CROSS_SIZE, each rank's CROSS_RANK); None elsewhere."""
-        nodes = comm.gather_to_rank0(torch.tensor([int(os.environ.get("CROSS_RANK", "0"))]))
+        nodes = comm.gather_to_rank0(torch.tensor([int(os.environ.get("CROSS_RANK", "0"))]))   # host, control path
         if nodes is None:
             return None
         stage_of = {grid.stage_to_global(stage_id=s, data=d): s

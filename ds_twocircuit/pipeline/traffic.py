@@ -86,7 +86,7 @@ def boundary_kind() -> str:
 def take(world: int) -> torch.Tensor:
     """This rank's ledger since the last take, cleared: (len(KINDS), world + 2) int64, column j < world
     the bytes received from rank j, column world from the anchor, column world + 1 handed to it."""
-    out = torch.zeros(len(KINDS), world + 2, dtype=torch.int64)
+    out = torch.zeros(len(KINDS), world + 2, dtype=torch.int64)   # host: it travels on the gloo control path
     for (kind, src), n in _L.received.items():
         out[KINDS.index(kind), world if src == ANCHOR else src] += n
     for kind, n in _L.to_anchor.items():
